@@ -1,0 +1,1 @@
+"""Pieces shared by agents: networks, returns, trajectory masks."""

@@ -1,0 +1,24 @@
+"""sebulba: the Sebulba actor-learner architecture (Podracers) for JAX and Gymnasium."""
+
+from sebulba.accounting import RunResult
+from sebulba.agent import Agent, Layout, combine_partitions, zeros_trajectory
+from sebulba.config import Config
+from sebulba.envs import EnvSpec, env_spec
+from sebulba.loop import Sebulba
+from sebulba.types import ActorOutput, AgentState, EnvStep, Trajectory
+
+__all__ = [
+    "ActorOutput",
+    "Agent",
+    "AgentState",
+    "Config",
+    "EnvSpec",
+    "EnvStep",
+    "Layout",
+    "RunResult",
+    "Sebulba",
+    "Trajectory",
+    "combine_partitions",
+    "env_spec",
+    "zeros_trajectory",
+]

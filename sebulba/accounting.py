@@ -1,0 +1,152 @@
+"""Counting env steps, episodes, policy lag and where the time went.
+
+Invariant at the end of a run: env_steps == consumed + dropped + in_flight, where
+in_flight counts the steps still queued, in unfinished inference cycles, or popped by
+a learner update that did not finish. Each term is counted where it happens, so the
+identity is a check, not a definition.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from sebulba.types import AgentState
+
+
+class Accounting:
+    """Thread-safe counters shared by the inferencer threads and the learner."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.env_steps = 0
+        self.consumed = 0
+        self.dropped = 0
+        self.trajectories_consumed = 0
+        self.trajectories_dropped = 0
+        self.episodes: list[tuple[int, float, int]] = []  # (env_steps at end, return, length)
+        self.policy_lags: list[int] = []
+        self.stage_seconds: dict[str, float] = collections.defaultdict(float)
+
+    def add_env_steps(self, n: int, ended: list[tuple[float, int]]) -> None:
+        with self._lock:
+            self.env_steps += n
+            for ret, length in ended:
+                self.episodes.append((self.env_steps, ret, length))
+
+    def add_consumed(self, n: int, policy_lag: int) -> None:
+        with self._lock:
+            self.consumed += n
+            self.trajectories_consumed += 1
+            self.policy_lags.append(policy_lag)
+
+    def add_dropped(self, n: int) -> None:
+        with self._lock:
+            self.dropped += n
+            self.trajectories_dropped += 1
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage_seconds[stage] += seconds
+
+
+class StageClock:
+    """Accumulates time per stage locally; merged into `Accounting` once per cycle."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] += now - self._last
+        self._last = now
+
+    def flush_into(self, accounting: Accounting) -> None:
+        for stage, s in self.seconds.items():
+            accounting.add_time(stage, s)
+        self.seconds.clear()
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `Sebulba.run` returns.
+
+    Attributes:
+      env_steps: env steps taken by all env groups (reset steps included).
+      consumed / dropped / in_flight: where those steps went (see module docstring).
+      wall_seconds: from the first env step to the end of the run.
+      episodes: (env_steps when it ended, return, length) of each completed episode.
+      policy_lags: per consumed trajectory, learner version minus acting version.
+      stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
+        for room), queue_get (learner waiting), update_experience, optimize.
+      learner_updates: optimizer steps taken.
+      metrics: the learner's last metrics (floats).
+      state: final AgentState (nets, opt, experience of the first learner device; the
+        step state of all envs).
+    """
+
+    env_steps: int
+    consumed: int
+    dropped: int
+    in_flight: int
+    wall_seconds: float
+    episodes: list[tuple[int, float, int]]
+    policy_lags: list[int]
+    stage_seconds: dict[str, float]
+    learner_updates: int
+    metrics: dict[str, float]
+    state: AgentState | None = None
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.env_steps / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def consumed_steps_per_second(self) -> float:
+        return self.consumed / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def mean_return(self, start_frac: float = 0.0, end_frac: float = 1.0) -> float:
+        """Mean return of episodes that ended within [start, end) of the env steps."""
+        lo, hi = start_frac * self.env_steps, end_frac * self.env_steps
+        rets = [r for s, r, _ in self.episodes if lo <= s < hi or (end_frac == 1 and s == hi)]
+        return float(np.mean(rets)) if rets else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain figures (no arrays), ready for json.dumps."""
+        lags = np.asarray(self.policy_lags or [0])
+        return {
+            "env_steps": self.env_steps,
+            "consumed": self.consumed,
+            "dropped": self.dropped,
+            "in_flight": self.in_flight,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "steps_per_second": round(self.steps_per_second, 1),
+            "episodes": len(self.episodes),
+            "mean_return_last_10pct": self.mean_return(0.9, 1.0),
+            "policy_lag_mean": float(lags.mean()),
+            "policy_lag_max": int(lags.max()),
+            "learner_updates": self.learner_updates,
+            "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
+            "metrics": self.metrics,
+        }
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        stages = ", ".join(f"{k} {v:.2f}s" for k, v in d["stage_seconds"].items())
+        return "\n".join([
+            f"env steps {d['env_steps']:,} = consumed {d['consumed']:,} + dropped "
+            f"{d['dropped']:,} + in flight {d['in_flight']:,}",
+            f"{d['wall_seconds']:.1f}s, {d['steps_per_second']:,.0f} env steps/s, "
+            f"{d['learner_updates']} learner updates",
+            f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.1f}",
+            f"policy lag mean {d['policy_lag_mean']:.2f}, max {d['policy_lag_max']}",
+            f"time by stage (summed over threads): {stages}",
+            f"last metrics: {json.dumps(d['metrics'])}",
+        ])

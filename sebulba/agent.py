@@ -1,0 +1,195 @@
+"""The Agent contract: what a researcher implements to run in the Sebulba loop."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from sebulba import sharding
+from sebulba.envs import EnvSpec, example_env_step
+from sebulba.types import (
+    ActorOutput,
+    AgentState,
+    EnvStep,
+    Experience,
+    Metrics,
+    Nets,
+    OptState,
+    PyTree,
+    StepState,
+    Trajectory,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How envs and devices are laid out in a run; agents size their state from it.
+
+    Attributes:
+      envs_per_group: envs in one env group (one inferencer thread's vector env).
+      num_groups: env groups feeding the learner (async_factor x inference devices).
+      steps_per_cycle: env steps per inference cycle (T).
+      num_learner_devices: learner devices the learner's update spans.
+    """
+
+    envs_per_group: int
+    num_groups: int
+    steps_per_cycle: int
+    num_learner_devices: int
+
+    @property
+    def total_envs(self) -> int:
+        return self.envs_per_group * self.num_groups
+
+    @property
+    def envs_per_learner_shard(self) -> int:
+        """Envs of one trajectory that one learner device receives."""
+        return self.envs_per_group // self.num_learner_devices
+
+
+class Agent(abc.ABC):
+    """Base class of agents: pure, jit-compatible functions on pytrees.
+
+    The framework compiles `step` (once per inference device) and the learner
+    functions (once, over the learner devices) and donates their state buffers, so
+    implementations must not keep state on `self` after construction and must not
+    depend on Python values that change between calls.
+
+    Networks are Flax Linen modules held by the agent (static); `nets` is a pytree of
+    their parameters, so applying them inside a compiled function is a traced call
+    with no per-step Python graph traversal.
+
+    Per-env leaves of a StepState carry the env axis first; 0-d leaves are shared by
+    all envs. Use typed keys (`jax.random.key`) so that a key is one 0-d leaf.
+    """
+
+    def __init__(self, env_spec: EnvSpec):
+        self.env_spec = env_spec
+
+    # Construction: called once, outside of jit.
+
+    @abc.abstractmethod
+    def new_networks(self, key: jax.Array) -> Nets:
+        """Initial network parameters."""
+
+    def new_state(self, nets: Nets, key: jax.Array, layout: Layout) -> AgentState:
+        """The initial state; `step_state` covers all `layout.total_envs` envs."""
+        opt_key, exp_key, step_key = jax.random.split(key, 3)
+        return AgentState(
+            nets=nets,
+            opt=self._new_opt_state(nets, opt_key),
+            experience=self._new_experience_state(nets, exp_key, layout),
+            step_state=self._new_step_state(nets, step_key, layout.total_envs),
+        )
+
+    @abc.abstractmethod
+    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> StepState:
+        """Per-env acting state (recurrent state, RNG, counters) for `num_envs` envs."""
+
+    @abc.abstractmethod
+    def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
+        """Optimizer state for `nets`."""
+
+    @abc.abstractmethod
+    def _new_experience_state(self, nets: Nets, key: jax.Array, layout: Layout) -> Experience:
+        """Experience of one learner device (it sees `layout.envs_per_learner_shard`
+        envs of each trajectory, from `layout.num_groups` groups)."""
+
+    # Acting: compiled on each inference device, called once per env step.
+
+    @abc.abstractmethod
+    def step(
+        self, step_state: StepState, nets: Nets, env_step: EnvStep
+    ) -> tuple[ActorOutput, StepState]:
+        """Chooses actions for a batch of envs.
+
+        Args:
+          step_state: per-env leaves [E, ...].
+          nets: the networks published by the learner.
+          env_step: leaves [E, ...]; `first` marks where recurrent state must reset.
+        Returns:
+          (ActorOutput with leaves [E, ...], the next StepState).
+        """
+
+    # Learning: compiled over the learner devices; arguments are one device's shard.
+
+    @abc.abstractmethod
+    def update_experience(
+        self,
+        experience: Experience,
+        initial_step_state: StepState,
+        final_step_state: StepState,
+        trajectory: Trajectory,
+    ) -> Experience:
+        """Adds one trajectory shard (leaves [E / L, T(+1), ...]) to the experience.
+
+        `initial_step_state` is the state the group acted from at the trajectory's first
+        step (e.g. an LSTM's state to start training from); `final_step_state` the one
+        after its last action.
+        """
+
+    @abc.abstractmethod
+    def loss(
+        self, nets: Nets, opt: OptState, experience: Experience
+    ) -> tuple[jax.Array, tuple[Experience, Metrics]]:
+        """Scalar loss to differentiate, with the updated experience and scalar metrics."""
+
+    @abc.abstractmethod
+    def optimize_from_grads(
+        self, nets: Nets, opt: OptState, grads: PyTree
+    ) -> tuple[Nets, OptState]:
+        """Applies gradients (already averaged over learner devices)."""
+
+    def num_off_policy_optims_per_cycle(self) -> int:
+        """Updates per received trajectory; on-policy agents use 1."""
+        return 1
+
+    def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets | None]:
+        """Splits `nets` into (differentiated, held fixed), e.g. to exclude a target net.
+
+        Both parts have the structure of `nets` with `None` where a subtree belongs to
+        the other part; `grads` given to `optimize_from_grads` have the first part's
+        structure. Default: differentiate everything.
+        """
+        return nets, None
+
+    def shard_step_state(
+        self, step_state: StepState, learner_devices: Sequence[jax.Device]
+    ) -> StepState:
+        """Places a group's StepState on the learner devices for `update_experience`.
+
+        Default: per-env leaves split along the env axis, 0-d leaves replicated. Override
+        if the StepState holds leaves of another layout.
+        """
+        return sharding.shard_env_axis(step_state, learner_devices)
+
+
+def combine_partitions(diff: Nets, fixed: Nets | None) -> Nets:
+    """Inverse of `Agent.partition_for_grad`."""
+    if fixed is None:
+        return diff
+    return jax.tree.map(
+        lambda a, b: b if a is None else a, diff, fixed, is_leaf=lambda x: x is None
+    )
+
+
+def zeros_trajectory(agent: Agent, nets: Nets, num_envs: int, steps_per_cycle: int) -> Trajectory:
+    """A zero Trajectory shaped like the ones `agent` produces (leaves [E, T(+1), ...]).
+
+    Handy for sizing experience; the actor outputs' shapes come from tracing `step`.
+    """
+    env_step = example_env_step(agent.env_spec, num_envs)
+    step_state = agent._new_step_state(nets, jax.random.key(0), num_envs)
+    actor_output, _ = jax.eval_shape(agent.step, step_state, nets, env_step)
+
+    def zeros(x, length):
+        return jnp.zeros((x.shape[0], length) + tuple(x.shape[1:]), x.dtype)
+
+    return Trajectory(
+        env_steps=jax.tree.map(lambda x: zeros(x, steps_per_cycle + 1), env_step),
+        actor_outputs=jax.tree.map(lambda x: zeros(x, steps_per_cycle), actor_output),
+    )

@@ -1,0 +1,122 @@
+"""Configuration of a Sebulba run, checked when it is made."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from sebulba.envs import VECTORIZATIONS, EnvFactory
+
+DeviceLike = int | jax.Device
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a run collects from, and where it acts and learns.
+
+    Attributes:
+      env: a `gymnasium.make_vec` id, or a factory returning one gymnasium.Env.
+      env_kwargs: keyword arguments for the env.
+      envs_per_group: envs in each env group (the vector env of one inferencer thread).
+        Each group's trajectory is split along the env axis over the learner devices,
+        so it must be divisible by their number.
+      vectorization: "sync" (in-thread), "async" (one subprocess per env) or
+        "vector_entry_point" (the env's own vectorized implementation, ids only).
+      async_factor: env groups (threads) per inference device; 2 = double buffering.
+      steps_per_cycle: env steps per inference cycle (trajectory length T).
+      inference_devices: local device indices or devices that run `Agent.step`.
+      learner_devices: local device indices or devices the learner update spans.
+        Both default to the first local device.
+      queue_capacity: trajectories the global queue holds; 0 means one per env group.
+      drop_when_full: drop the oldest queued trajectory instead of waiting for the
+        learner (backpressure) when the queue is full. Drops are counted.
+      check_finite: raise if the learner's loss is NaN or infinite.
+      async_context: multiprocessing start method for "async" vectorization.
+      shutdown_timeout_s: how long stopping waits for a thread before giving up on it.
+      seed: seeds the networks, the agent state and the envs.
+    """
+
+    env: str | EnvFactory = "CartPole-v1"
+    env_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    envs_per_group: int = 16
+    vectorization: str = "sync"
+    async_factor: int = 2
+    steps_per_cycle: int = 32
+    inference_devices: Sequence[DeviceLike] | None = None
+    learner_devices: Sequence[DeviceLike] | None = None
+    queue_capacity: int = 0
+    drop_when_full: bool = False
+    check_finite: bool = True
+    async_context: str = "spawn"
+    shutdown_timeout_s: float = 10.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive("envs_per_group", self.envs_per_group)
+        _positive("async_factor", self.async_factor)
+        _positive("steps_per_cycle", self.steps_per_cycle)
+        if not isinstance(self.queue_capacity, int) or self.queue_capacity < 0:
+            raise ValueError(f"queue_capacity must be an int >= 0, got {self.queue_capacity!r}")
+        if self.shutdown_timeout_s <= 0:
+            raise ValueError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")
+        if self.vectorization not in VECTORIZATIONS:
+            raise ValueError(
+                f"vectorization must be one of {VECTORIZATIONS}, got {self.vectorization!r}"
+            )
+        if not (isinstance(self.env, str) or callable(self.env)):
+            raise TypeError(f"env must be an env id or a factory, got {self.env!r}")
+        num_learners = len(self.resolved_learner_devices())
+        if self.envs_per_group % num_learners:
+            raise ValueError(
+                f"envs_per_group={self.envs_per_group} must be divisible by the number of "
+                f"learner devices ({num_learners}): each trajectory is split over them"
+            )
+        self.resolved_inference_devices()
+
+    def resolved_inference_devices(self) -> list[jax.Device]:
+        return _resolve("inference_devices", self.inference_devices)
+
+    def resolved_learner_devices(self) -> list[jax.Device]:
+        return _resolve("learner_devices", self.learner_devices)
+
+    @property
+    def num_groups(self) -> int:
+        return self.async_factor * len(self.resolved_inference_devices())
+
+    @property
+    def effective_queue_capacity(self) -> int:
+        return self.queue_capacity or self.num_groups
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _resolve(name: str, devices: Sequence[DeviceLike] | None) -> list[jax.Device]:
+    local = jax.local_devices()
+    if devices is None:
+        return [local[0]]
+    if isinstance(devices, str | int) or len(devices) == 0:
+        raise ValueError(f"{name} must be a non-empty list of devices or indices, got {devices!r}")
+    resolved = []
+    for d in devices:
+        if isinstance(d, int) and not isinstance(d, bool):
+            if not 0 <= d < len(local):
+                raise ValueError(
+                    f"{name} has device index {d}, but this process has {len(local)} local "
+                    f"devices (indices 0..{len(local) - 1}): {local}"
+                )
+            resolved.append(local[d])
+        elif isinstance(d, jax.Device):
+            if d not in jax.devices():
+                raise ValueError(f"{name} has {d}, which is not one of {jax.devices()}")
+            resolved.append(d)
+        else:
+            raise TypeError(f"{name} entries must be device indices or jax.Device, got {d!r}")
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"{name} lists a device twice: {resolved}")
+    return resolved

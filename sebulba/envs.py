@@ -1,0 +1,162 @@
+"""Gymnasium vector envs for env groups, and the host side of one env step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from sebulba.types import EnvStep
+
+EnvFactory = Callable[[], gym.Env]
+VECTORIZATIONS = ("sync", "async", "vector_entry_point")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """The spaces of one (unbatched) env; agents build their networks from it."""
+
+    observation_space: gym.spaces.Box
+    action_space: gym.spaces.Discrete | gym.spaces.Box
+
+    @property
+    def obs_shape(self) -> tuple[int, ...]:
+        return tuple(self.observation_space.shape)
+
+    @property
+    def num_actions(self) -> int:
+        """Number of discrete actions; an error for continuous action spaces."""
+        if not isinstance(self.action_space, gym.spaces.Discrete):
+            raise TypeError(f"num_actions needs a Discrete action space, got {self.action_space}")
+        return int(self.action_space.n)
+
+
+def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
+    """Raises ValueError unless the spaces are ones the framework batches."""
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise ValueError(
+            f"unsupported observation space {observation_space!r}: expected a gymnasium.spaces.Box "
+            "(wrap the env, e.g. with FlattenObservation, to turn it into one)"
+        )
+    if not isinstance(action_space, gym.spaces.Discrete | gym.spaces.Box):
+        raise ValueError(
+            f"unsupported action space {action_space!r}: expected gymnasium.spaces.Discrete or Box"
+        )
+    if isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) != 0:
+        raise ValueError(f"unsupported action space {action_space!r}: Discrete must start at 0")
+
+
+def env_spec(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None) -> EnvSpec:
+    """Makes one env to read its spaces, then closes it."""
+    single = gym.make(env, **(env_kwargs or {})) if isinstance(env, str) else env()
+    try:
+        check_spaces(single.observation_space, single.action_space)
+        return EnvSpec(single.observation_space, single.action_space)
+    finally:
+        single.close()
+
+
+def make_vector_env(
+    env: str | EnvFactory,
+    num_envs: int,
+    vectorization: str,
+    env_kwargs: Mapping[str, Any] | None = None,
+    async_context: str = "spawn",
+) -> gym.vector.VectorEnv:
+    """Makes the vector env of one env group, with NEXT_STEP autoreset.
+
+    Async (subprocess) envs start their workers with `async_context`; "spawn" by
+    default because forking a process that runs JAX threads can deadlock the child.
+    """
+    kwargs = dict(env_kwargs or {})
+    next_step = gym.vector.AutoresetMode.NEXT_STEP
+    if isinstance(env, str):
+        vector_kwargs: dict[str, Any] = {}
+        if vectorization != "vector_entry_point":
+            vector_kwargs["autoreset_mode"] = next_step
+        if vectorization == "async":
+            vector_kwargs["context"] = async_context
+        vec = gym.make_vec(env, num_envs, vectorization, vector_kwargs=vector_kwargs, **kwargs)
+    elif vectorization == "sync":
+        vec = gym.vector.SyncVectorEnv([env] * num_envs, autoreset_mode=next_step)
+    elif vectorization == "async":
+        vec = gym.vector.AsyncVectorEnv(
+            [env] * num_envs, autoreset_mode=next_step, context=async_context
+        )
+    else:
+        raise ValueError(f"vectorization {vectorization!r} needs a registered env id, not a factory")
+    mode = vec.metadata.get("autoreset_mode", next_step)
+    if mode != next_step:
+        vec.close()
+        raise ValueError(f"env {env!r} autoresets with {mode}; sebulba needs {next_step}")
+    return vec
+
+
+def close_vector_env(vec: gym.vector.VectorEnv) -> None:
+    """Closes a vector env; subprocess workers are terminated, not waited for."""
+    if isinstance(vec, gym.vector.AsyncVectorEnv):
+        vec.close(terminate=True)
+    else:
+        vec.close()
+
+
+class HostEnvStepper:
+    """Steps one vector env on the host and tracks episode starts and returns.
+
+    Turns gymnasium's (obs, reward, terminated, truncated) into `EnvStep`s with fixed
+    dtypes (so the compiled acting step never retraces) and the `first` flag.
+    """
+
+    def __init__(self, vec: gym.vector.VectorEnv):
+        self.vec = vec
+        self.num_envs = vec.num_envs
+        self._was_last = np.ones(self.num_envs, bool)
+        self._returns = np.zeros(self.num_envs, np.float64)
+        self._lengths = np.zeros(self.num_envs, np.int64)
+
+    def reset(self, seed: int) -> EnvStep:
+        obs, _ = self.vec.reset(seed=seed)
+        n = self.num_envs
+        self._was_last[:] = True
+        zeros = np.zeros(n, bool)
+        return self._env_step(obs, np.zeros(n, np.float32), zeros, zeros)
+
+    def step(self, action: np.ndarray) -> tuple[EnvStep, list[tuple[float, int]]]:
+        """Returns the next EnvStep and the (return, length) of episodes that ended."""
+        obs, reward, terminated, truncated, _ = self.vec.step(action)
+        env_step = self._env_step(obs, reward, terminated, truncated)
+        first = env_step.first
+        self._returns = np.where(first, 0.0, self._returns + env_step.reward)
+        self._lengths = np.where(first, 0, self._lengths + 1)
+        last = self._was_last
+        ended = []
+        if last.any():
+            ended = [(float(r), int(n)) for r, n in zip(self._returns[last], self._lengths[last])]
+        return env_step, ended
+
+    def _env_step(self, obs, reward, terminated, truncated) -> EnvStep:
+        first = self._was_last
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool)
+        self._was_last = terminated | truncated
+        obs = np.asarray(obs)
+        if obs.dtype == np.float64:
+            obs = obs.astype(np.float32)
+        return EnvStep(obs, np.asarray(reward, np.float32), terminated, truncated, first)
+
+
+def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
+    """A zero EnvStep with the shapes and dtypes `HostEnvStepper` produces."""
+    obs_dtype = spec.observation_space.dtype
+    obs_dtype = np.float32 if obs_dtype == np.float64 else obs_dtype
+    flags = np.zeros(num_envs, bool)
+    return EnvStep(
+        obs=np.zeros((num_envs,) + spec.obs_shape, obs_dtype),
+        reward=np.zeros(num_envs, np.float32),
+        terminated=flags,
+        truncated=flags,
+        first=flags,
+    )

@@ -1,0 +1,263 @@
+"""The Sebulba loop: inferencer threads feeding a learner on the main thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sebulba import sharding
+from sebulba.accounting import Accounting, RunResult
+from sebulba.agent import Agent, Layout
+from sebulba.config import Config
+from sebulba.envs import HostEnvStepper, close_vector_env, env_spec, make_vector_env
+from sebulba.inferencer import (
+    POLL_SECONDS,
+    ActingFunctions,
+    EnvGroupRunner,
+    ErrorBox,
+    QueueItem,
+    Staging,
+)
+from sebulba.learner import LearnerFunctions
+from sebulba.types import AgentState, PyTree
+
+
+class Sebulba:
+    """Runs an agent: `async_factor` env groups per inference device, one learner.
+
+    Construction checks the configuration against the env and the agent and compiles
+    nothing; `run` may be called several times and reuses what it compiled.
+    """
+
+    def __init__(self, agent: Agent, config: Config):
+        self.agent = agent
+        self.config = config
+        self.inference_devices = config.resolved_inference_devices()
+        self.learner_devices = config.resolved_learner_devices()
+        spec = env_spec(config.env, config.env_kwargs)
+        if agent.env_spec != spec:
+            raise ValueError(
+                f"the agent was built for {agent.env_spec}, but env {config.env!r} has {spec}"
+            )
+        optims = agent.num_off_policy_optims_per_cycle()
+        if not isinstance(optims, int) or optims < 0:
+            raise ValueError(f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
+        self.optims_per_cycle = optims
+        self.layout = Layout(
+            envs_per_group=config.envs_per_group,
+            num_groups=config.num_groups,
+            steps_per_cycle=config.steps_per_cycle,
+            num_learner_devices=len(self.learner_devices),
+        )
+        self.acting = ActingFunctions(agent, config.steps_per_cycle)
+        self.learner = LearnerFunctions(agent, self.learner_devices)
+
+    def initial_state(self) -> AgentState:
+        net_key, state_key = jax.random.split(jax.random.key(self.config.seed))
+        nets = self.agent.new_networks(net_key)
+        return self.agent.new_state(nets, state_key, self.layout)
+
+    def run(
+        self, total_env_steps: int, state: AgentState | None = None, *, learn: bool = True
+    ) -> RunResult:
+        """Acts and learns until the learner has consumed `total_env_steps` env steps.
+
+        Args:
+          total_env_steps: env steps (over all envs) the learner must consume.
+          state: where to start from; `initial_state()` if None.
+          learn: if False, trajectories are consumed without updates (acting only).
+        Returns:
+          The figures of the run and its final state. An error in any thread or env
+          stops the run and is re-raised here.
+        """
+        if not isinstance(total_env_steps, int) or total_env_steps < 1:
+            raise ValueError(f"total_env_steps must be an int >= 1, got {total_env_steps!r}")
+        cfg = self.config
+        state = self.initial_state() if state is None else state
+        devices = self.learner_devices
+        nets = sharding.replicate(state.nets, devices)
+        opt = sharding.replicate(state.opt, devices)
+        experience = sharding.replicate(state.experience, devices)
+
+        stop = threading.Event()
+        errors = ErrorBox(stop)
+        accounting = Accounting()
+        trajectories: queue.Queue[QueueItem] = queue.Queue(cfg.effective_queue_capacity)
+        stagings = {d: Staging(d) for d in self.inference_devices}
+        version = 0
+        self._publish(stagings, nets, version)
+
+        runners: list[EnvGroupRunner] = []
+        threads: list[threading.Thread] = []
+        popped: QueueItem | None = None
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        try:
+            runners = self._make_runners(state.step_state, stagings, trajectories, stop, errors,
+                                         accounting)
+            for r in runners:
+                threads.append(threading.Thread(
+                    target=r, name=f"sebulba-inferencer-{r.group}", daemon=True))
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            while accounting.consumed < total_env_steps:
+                popped = self._get(trajectories, errors, accounting)
+                lag = version - popped.version
+                if learn:
+                    t0 = time.perf_counter()
+                    experience = self.learner.update_experience(
+                        experience, popped.initial_step_state, popped.final_step_state,
+                        popped.trajectory)
+                    t1 = time.perf_counter()
+                    for _ in range(self.optims_per_cycle):
+                        nets, opt, experience, step_metrics = self.learner.optimize(
+                            nets, opt, experience)
+                        version += 1
+                    if self.optims_per_cycle:
+                        self._publish(stagings, nets, version)
+                        metrics = self._fetch_metrics(step_metrics, version)
+                    t2 = time.perf_counter()
+                    accounting.add_time("update_experience", t1 - t0)
+                    accounting.add_time("optimize", t2 - t1)
+                accounting.add_consumed(popped.num_env_steps, lag)
+                popped = None
+        finally:
+            stop.set()
+            still_alive = self._shut_down(threads, runners)
+            wall = time.perf_counter() - start
+        errors.raise_if_any()
+        if still_alive:
+            raise RuntimeError(
+                f"inferencer threads did not stop within {2 * cfg.shutdown_timeout_s}s: "
+                f"{still_alive}")
+
+        in_flight = sum(r.partial_steps for r in runners)
+        in_flight += popped.num_env_steps if popped is not None else 0
+        while True:
+            try:
+                in_flight += trajectories.get_nowait().num_env_steps
+            except queue.Empty:
+                break
+        final_state = AgentState(
+            nets=sharding.first_replica(nets),
+            opt=sharding.first_replica(opt),
+            experience=sharding.first_replica(experience),
+            step_state=_concat_env_axis([r.step_state for r in runners]),
+        )
+        return RunResult(
+            env_steps=accounting.env_steps,
+            consumed=accounting.consumed,
+            dropped=accounting.dropped,
+            in_flight=in_flight,
+            wall_seconds=wall,
+            episodes=accounting.episodes,
+            policy_lags=accounting.policy_lags,
+            stage_seconds=dict(accounting.stage_seconds),
+            learner_updates=version,
+            metrics=metrics,
+            state=final_state,
+        )
+
+    def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):
+        cfg = self.config
+        envs_per_group = cfg.envs_per_group
+        runners = []
+        try:
+            for group in range(cfg.num_groups):
+                device = self.inference_devices[group // cfg.async_factor]
+                vec = make_vector_env(cfg.env, envs_per_group, cfg.vectorization,
+                                      cfg.env_kwargs, cfg.async_context)
+                runners.append(EnvGroupRunner(
+                    group=group,
+                    device=device,
+                    stepper=HostEnvStepper(vec),
+                    step_state=_slice_env_axis(step_state, group * envs_per_group,
+                                               envs_per_group),
+                    seed=cfg.seed + group * envs_per_group,
+                    acting=self.acting,
+                    staging=stagings[device],
+                    learner_devices=self.learner_devices,
+                    out_queue=trajectories,
+                    drop_when_full=cfg.drop_when_full,
+                    stop=stop,
+                    errors=errors,
+                    accounting=accounting,
+                ))
+        except BaseException:
+            for r in runners:
+                close_vector_env(r.stepper.vec)
+            raise
+        return runners
+
+    def _publish(self, stagings: dict[jax.Device, Staging], nets: PyTree, version: int) -> None:
+        single = sharding.first_replica(nets)
+        for staging in stagings.values():
+            staging.publish(version, single)
+
+    def _get(self, trajectories: queue.Queue, errors: ErrorBox,
+             accounting: Accounting) -> QueueItem:
+        t0 = time.perf_counter()
+        while True:
+            errors.raise_if_any()
+            try:
+                item = trajectories.get(timeout=POLL_SECONDS)
+                break
+            except queue.Empty:
+                continue
+        accounting.add_time("queue_get", time.perf_counter() - t0)
+        return item
+
+    def _fetch_metrics(self, metrics: PyTree, version: int) -> dict[str, float]:
+        values = {k: float(np.asarray(v.addressable_shards[0].data)[0]) for k, v in metrics.items()}
+        if self.config.check_finite and not np.isfinite(values["loss"]):
+            raise FloatingPointError(
+                f"the learner's loss is {values['loss']} after update {version}; metrics: {values}"
+            )
+        return values
+
+    def _shut_down(
+        self, threads: list[threading.Thread], runners: list[EnvGroupRunner]
+    ) -> list[str]:
+        """Stops every thread and env, waiting at most about 2 x shutdown_timeout_s.
+
+        Returns the names of threads still alive after that (stuck in user code).
+        """
+        timeout = self.config.shutdown_timeout_s
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        # Closing terminates async workers, which also frees a thread stuck waiting on one.
+        for r in runners:
+            try:
+                close_vector_env(r.stepper.vec)
+            except Exception:  # noqa: BLE001 - a broken env must not stop the others closing
+                pass
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]
+
+
+def _slice_env_axis(tree: PyTree, start: int, size: int) -> PyTree:
+    """Envs [start, start + size) of per-env leaves; 0-d leaves are shared."""
+    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else x[start:start + size], tree)
+
+
+def _concat_env_axis(trees: list[PyTree]) -> PyTree:
+    """Inverse of `_slice_env_axis` over consecutive groups, on the first tree's device."""
+    if not trees:
+        return None
+    device = jax.tree.leaves(trees[0])[0].device
+
+    def concat(*xs):
+        if jnp.ndim(xs[0]) == 0:
+            return xs[0]
+        return jnp.concatenate([jax.device_put(x, device) for x in xs])
+
+    return jax.tree.map(concat, *trees)

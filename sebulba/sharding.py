@@ -1,0 +1,122 @@
+"""Placing pytrees on the learner devices.
+
+Learner-side arrays are global `jax.Array`s with a leading axis of one entry per
+learner device (the `pmap` layout), sharded over a 1-D mesh whose axis is named
+`LEARNER_AXIS`. Each process provides the entries of its own (local) learner
+devices, so the same code serves one host and several.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sebulba.types import PyTree
+
+LEARNER_AXIS = "learner"
+
+
+@functools.lru_cache(maxsize=None)
+def learner_mesh(devices: tuple[jax.Device, ...]) -> Mesh:
+    """The 1-D mesh over all (global) learner devices."""
+    return Mesh(np.asarray(devices), (LEARNER_AXIS,))
+
+
+def learner_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
+    return NamedSharding(learner_mesh(tuple(devices)), P(LEARNER_AXIS))
+
+
+def local_devices_of(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    """The devices of `devices` that belong to this process, in mesh order."""
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+def assemble(per_device: Sequence[PyTree], devices: Sequence[jax.Device]) -> PyTree:
+    """Builds global [num_learners, ...] arrays from one pytree per local learner device.
+
+    `per_device[i]` must already live on `local_devices_of(devices)[i]`.
+    """
+    sharding = learner_sharding(devices)
+    num_global = len(devices)
+
+    def build(*pieces: jax.Array) -> jax.Array:
+        shape = (num_global,) + pieces[0].shape
+        return jax.make_array_from_single_device_arrays(shape, sharding, [p[None] for p in pieces])
+
+    return jax.tree.map(build, *per_device)
+
+
+@functools.lru_cache(maxsize=None)
+def _env_axis_splitter(num_pieces: int):
+    def split(tree):
+        def pieces(x):
+            if x.ndim == 0:
+                return [x] * num_pieces
+            if x.shape[0] % num_pieces:
+                raise ValueError(
+                    f"a per-env leaf of shape {x.shape} has {x.shape[0]} envs, not divisible by "
+                    f"{num_pieces} local learner devices"
+                )
+            return list(x.reshape((num_pieces, x.shape[0] // num_pieces) + x.shape[1:]))
+
+        leaves, treedef = jax.tree.flatten(tree)
+        per_leaf = [pieces(x) for x in leaves]
+        return [treedef.unflatten([p[i] for p in per_leaf]) for i in range(num_pieces)]
+
+    return jax.jit(split)
+
+
+def shard_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
+    """Splits per-env leaves along their leading env axis over the local learner devices.
+
+    Leaves with at least one axis are per-env ([E, ...] becomes [num_learners, E / L, ...],
+    L the number of local learner devices); 0-d leaves (a shared counter, a typed PRNG
+    key) are replicated ([num_learners]). One compiled split on the source device, then
+    one transfer per learner device.
+    """
+    local = local_devices_of(devices)
+    pieces = _env_axis_splitter(len(local))(tree)
+    return assemble([jax.device_put(p, d) for p, d in zip(pieces, local)], devices)
+
+
+def replicate(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
+    """The same pytree on every learner device, with a leading learner axis."""
+    local = local_devices_of(devices)
+    return assemble([jax.device_put(tree, d, may_alias=False) for d in local], devices)
+
+
+def stack_per_device(trees: Sequence[PyTree], devices: Sequence[jax.Device]) -> PyTree:
+    """A different pytree on each local learner device (e.g. per-shard experience)."""
+    local = local_devices_of(devices)
+    if len(trees) != len(local):
+        raise ValueError(f"got {len(trees)} pytrees for {len(local)} local learner devices")
+    return assemble([jax.device_put(t, d) for t, d in zip(trees, local)], devices)
+
+
+@jax.jit
+def _drop_learner_axis(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def first_replica(tree: PyTree) -> PyTree:
+    """The entry of the first local learner device, without the learner axis."""
+    shards = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+    return _drop_learner_axis(shards)
+
+
+def unshard_env_axis(tree: PyTree) -> PyTree:
+    """Inverse of `shard_env_axis` for the local entries, gathered on one device."""
+    def merge(x: jax.Array) -> jax.Array:
+        local = [s.data for s in sorted(x.addressable_shards, key=lambda s: s.index[0].start)]
+        if x.ndim == 1:  # a replicated 0-d leaf
+            return local[0][0]
+        device = local[0].device
+        return jnp.concatenate([jax.device_put(p[0], device) for p in local])
+
+    return jax.tree.map(merge, tree)
