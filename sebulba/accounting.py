@@ -90,6 +90,7 @@ class RunResult:
       metrics: the learner's last metrics (floats).
       state: final AgentState (nets, opt, experience of the first learner device; the
         step state of all envs).
+      learner_experience: every learner device's experience, leaves [num_learners, ...].
     """
 
     env_steps: int
@@ -103,6 +104,7 @@ class RunResult:
     learner_updates: int
     metrics: dict[str, float]
     state: AgentState | None = None
+    learner_experience: Any = None
 
     @property
     def steps_per_second(self) -> float:

@@ -162,6 +162,7 @@ class Sebulba:
             learner_updates=version,
             metrics=metrics,
             state=final_state,
+            learner_experience=experience,
         )
 
     def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):

@@ -1,0 +1,74 @@
+"""Small real gymnasium envs for tests: counting, faulty and slow ones."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import gymnasium as gym
+import numpy as np
+
+
+class CountingEnv(gym.Env):
+    """Observation [env id, episode, step in episode]; reward 1 per step.
+
+    The env id is the seed of its first reset (vector envs seed env i with seed + i).
+    Even episodes terminate after `episode_length` steps, odd ones are truncated then,
+    so trajectories cross both kinds of episode end.
+    """
+
+    observation_space = gym.spaces.Box(-1.0, 1e6, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, episode_length: int = 5):
+        self.episode_length = episode_length
+        self.env_id = -1
+        self.episode = -1
+        self.t = 0
+
+    def _obs(self):
+        return np.array([self.env_id, self.episode, self.t], np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.env_id = seed
+        self.episode += 1
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        end = self.t == self.episode_length
+        terminated = end and self.episode % 2 == 0
+        truncated = end and self.episode % 2 == 1
+        return self._obs(), 1.0, terminated, truncated, {}
+
+
+class FaultyEnv(CountingEnv):
+    """Raises on its `fail_at`-th step."""
+
+    def __init__(self, fail_at: int = 20):
+        super().__init__()
+        self.fail_at = fail_at
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError(f"env fault at step {self.steps}")
+        return super().step(action)
+
+
+class PidRecordingEnv(CountingEnv):
+    """Writes its process id into `pid_dir`, so a test can check the process is gone."""
+
+    def __init__(self, pid_dir: str, step_seconds: float = 0.0):
+        super().__init__(episode_length=50)
+        self.step_seconds = step_seconds
+        with open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def step(self, action):
+        time.sleep(self.step_seconds)
+        return super().step(action)
