@@ -1,0 +1,122 @@
+"""Faults on purpose: each ends the run promptly with the original error, leaving nothing behind."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax.numpy as jnp
+import pytest
+
+import sebulba
+from tests.counting_agent import CountingAgent
+from tests.envs import CountingEnv, FaultyEnv
+
+COUNTING = functools.partial(CountingEnv, 5)
+
+
+def make_loop(agent_cls=CountingAgent, env=COUNTING, **config):
+    cfg = sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=4, async_factor=2,
+                         shutdown_timeout_s=5.0, **config)
+    return sebulba.Sebulba(agent_cls(sebulba.env_spec(env)), cfg)
+
+
+@pytest.mark.parametrize("vectorization", ["sync", "async"])
+@pytest.mark.timeout(120)
+def test_env_error_reraises_in_caller(vectorization, no_leftovers):
+    loop = make_loop(env=functools.partial(FaultyEnv, 30), vectorization=vectorization)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="env fault at step 30"):
+        loop.run(10**9)
+    assert time.monotonic() - start < 60
+
+
+class StepRaises(CountingAgent):
+    def step(self, step_state, nets, env_step):
+        raise ValueError("bad agent step")
+
+
+@pytest.mark.timeout(60)
+def test_agent_step_error_reraises_with_original_traceback(no_leftovers):
+    with pytest.raises(ValueError, match="bad agent step") as info:
+        make_loop(StepRaises).run(10**9)
+    frames = [entry.name for entry in info.traceback]
+    assert "step" in frames  # the agent's own frame is in the traceback
+
+
+class NaNLoss(CountingAgent):
+    def loss(self, nets, opt, experience):
+        loss, aux = super().loss(nets, opt, experience)
+        return loss * jnp.nan, aux
+
+
+@pytest.mark.timeout(60)
+def test_nan_loss_stops_the_run(no_leftovers):
+    with pytest.raises(FloatingPointError, match="loss is nan after update 1"):
+        make_loop(NaNLoss).run(10**9)
+
+
+class UpdateRaises(CountingAgent):
+    def update_experience(self, *args):
+        raise KeyError("bad update_experience")
+
+
+@pytest.mark.timeout(60)
+def test_learner_error_stops_inferencers(no_leftovers):
+    with pytest.raises(KeyError, match="bad update_experience"):
+        make_loop(UpdateRaises, vectorization="async").run(10**9)
+
+
+CTRL_C_SCRIPT = textwrap.dedent("""
+    import functools, sys
+    import sebulba
+    from tests.counting_agent import CountingAgent
+    from tests.envs import PidRecordingEnv
+    env = functools.partial(PidRecordingEnv, sys.argv[1], 0.001)
+    cfg = sebulba.Config(env=env, envs_per_group=2, steps_per_cycle=4, vectorization="async")
+    loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)), cfg)
+    print("running", flush=True)
+    loop.run(10**12)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; only its parent's wait is missing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_shuts_down_cleanly(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        deadline = time.monotonic() + 60  # wait until the env workers exist and step
+        while len(list(tmp_path.glob("*.pid"))) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert proc.returncode != 0
+    worker_pids = [int(p.stem) for p in tmp_path.glob("*.pid") if int(p.stem) != proc.pid]
+    assert len(worker_pids) >= 4  # 2 groups x 2 async workers
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in worker_pids if _alive(p)]
