@@ -68,6 +68,10 @@ class Config:
             )
         if not (isinstance(self.env, str) or callable(self.env)):
             raise TypeError(f"env must be an env id or a factory, got {self.env!r}")
+        if self.vectorization == "vector_entry_point" and not isinstance(self.env, str):
+            raise ValueError(
+                f"vectorization 'vector_entry_point' needs an env id, got the factory {self.env!r}"
+            )
         num_learners = len(self.resolved_learner_devices())
         if self.envs_per_group % num_learners:
             raise ValueError(

@@ -87,7 +87,7 @@ def make_vector_env(
             [env] * num_envs, autoreset_mode=next_step, context=async_context
         )
     else:
-        raise ValueError(f"vectorization {vectorization!r} needs a registered env id, not a factory")
+        raise ValueError(f"vectorization {vectorization!r} needs an env id, not a factory")
     mode = vec.metadata.get("autoreset_mode", next_step)
     if mode != next_step:
         vec.close()
@@ -134,7 +134,7 @@ class HostEnvStepper:
         last = self._was_last
         ended = []
         if last.any():
-            ended = [(float(r), int(n)) for r, n in zip(self._returns[last], self._lengths[last])]
+            ended = [(float(r), int(n)) for r, n in zip(self._returns[last], self._lengths[last], strict=True)]
         return env_step, ended
 
     def _env_step(self, obs, reward, terminated, truncated) -> EnvStep:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -46,7 +47,8 @@ class Sebulba:
             )
         optims = agent.num_off_policy_optims_per_cycle()
         if not isinstance(optims, int) or optims < 0:
-            raise ValueError(f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
+            raise ValueError(
+                f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
         self.optims_per_cycle = optims
         self.layout = Layout(
             envs_per_group=config.envs_per_group,
@@ -235,10 +237,9 @@ class Sebulba:
             t.join(max(0.0, deadline - time.monotonic()))
         # Closing terminates async workers, which also frees a thread stuck waiting on one.
         for r in runners:
-            try:
+            # A broken env must not keep the others from closing.
+            with contextlib.suppress(Exception):
                 close_vector_env(r.stepper.vec)
-            except Exception:  # noqa: BLE001 - a broken env must not stop the others closing
-                pass
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -22,7 +22,7 @@ from sebulba.types import PyTree
 LEARNER_AXIS = "learner"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def learner_mesh(devices: tuple[jax.Device, ...]) -> Mesh:
     """The 1-D mesh over all (global) learner devices."""
     return Mesh(np.asarray(devices), (LEARNER_AXIS,))
@@ -52,7 +52,7 @@ def assemble(per_device: Sequence[PyTree], devices: Sequence[jax.Device]) -> PyT
     return jax.tree.map(build, *per_device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _env_axis_splitter(num_pieces: int):
     def split(tree):
         def pieces(x):
@@ -82,21 +82,13 @@ def shard_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     """
     local = local_devices_of(devices)
     pieces = _env_axis_splitter(len(local))(tree)
-    return assemble([jax.device_put(p, d) for p, d in zip(pieces, local)], devices)
+    return assemble([jax.device_put(p, d) for p, d in zip(pieces, local, strict=True)], devices)
 
 
 def replicate(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     """The same pytree on every learner device, with a leading learner axis."""
     local = local_devices_of(devices)
     return assemble([jax.device_put(tree, d, may_alias=False) for d in local], devices)
-
-
-def stack_per_device(trees: Sequence[PyTree], devices: Sequence[jax.Device]) -> PyTree:
-    """A different pytree on each local learner device (e.g. per-shard experience)."""
-    local = local_devices_of(devices)
-    if len(trees) != len(local):
-        raise ValueError(f"got {len(trees)} pytrees for {len(local)} local learner devices")
-    return assemble([jax.device_put(t, d) for t, d in zip(trees, local)], devices)
 
 
 @jax.jit

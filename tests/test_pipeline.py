@@ -68,7 +68,8 @@ def test_each_shard_gets_its_envs_in_order(async_factor, inference, learner, no_
             group, offset = divmod(int(ids[0]), envs_per_group)
             # This shard holds a contiguous block of one group's envs, its own block.
             assert offset == shard * per_shard
-            np.testing.assert_array_equal(ids, group * envs_per_group + offset + np.arange(per_shard))
+            expected_ids = group * envs_per_group + offset + np.arange(per_shard)
+            np.testing.assert_array_equal(ids, expected_ids)
             for j, env_id in enumerate(ids):
                 seen.setdefault(int(env_id), []).append((
                     int(log.initial_count[shard, k, j]), log.obs[shard, k, j],

@@ -1,0 +1,77 @@
+"""Bad configuration is a clear error at construction, naming the value."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import sebulba
+from agents.spg import SPG
+from tests.counting_agent import CountingAgent
+from tests.envs import CountingEnv
+
+COUNTING = functools.partial(CountingEnv, 5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"envs_per_group": 6, "learner_devices": [0, 1, 2, 3]},
+         r"envs_per_group=6 must be divisible by the number of learner devices \(4\)"),
+        ({"async_factor": 0}, r"async_factor must be an int >= 1, got 0"),
+        ({"steps_per_cycle": 0}, r"steps_per_cycle must be an int >= 1, got 0"),
+        ({"envs_per_group": 2.5}, r"envs_per_group must be an int >= 1, got 2.5"),
+        ({"inference_devices": [7]}, r"inference_devices has device index 7, but this process "
+                                     r"has 4 local devices"),
+        ({"learner_devices": []}, r"learner_devices must be a non-empty list"),
+        ({"learner_devices": [1, 1]}, r"learner_devices lists a device twice"),
+        ({"vectorization": "threads"}, r"vectorization must be one of .* got 'threads'"),
+        ({"queue_capacity": -1}, r"queue_capacity must be an int >= 0, got -1"),
+    ],
+)
+def test_bad_config_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sebulba.Config(env=COUNTING, **kwargs)
+
+
+class DictObsEnv(CountingEnv):
+    observation_space = gym.spaces.Dict({"x": gym.spaces.Box(0, 1, (2,), np.float32)})
+
+
+class MultiBinaryActionEnv(CountingEnv):
+    action_space = gym.spaces.MultiBinary(3)
+
+
+@pytest.mark.parametrize("env,message", [
+    (DictObsEnv, r"unsupported observation space Dict\(.*expected a gymnasium.spaces.Box"),
+    (MultiBinaryActionEnv, r"unsupported action space MultiBinary\(3\).*expected"),
+])
+def test_unsupported_spaces_are_rejected(env, message):
+    with pytest.raises(ValueError, match=message):
+        sebulba.env_spec(env)
+
+
+def test_agent_built_for_another_env_is_rejected():
+    agent = CountingAgent(sebulba.env_spec("CartPole-v1"))
+    with pytest.raises(ValueError, match="the agent was built for .* but env"):
+        sebulba.Sebulba(agent, sebulba.Config(env=COUNTING, envs_per_group=2))
+
+
+def test_spg_needs_discrete_actions():
+    with pytest.raises(TypeError, match="needs a Discrete action space"):
+        SPG(sebulba.env_spec("Pendulum-v1"))
+
+
+def test_bad_total_env_steps_is_rejected():
+    loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(COUNTING)),
+                           sebulba.Config(env=COUNTING, envs_per_group=2))
+    with pytest.raises(ValueError, match="total_env_steps must be an int >= 1, got 0"):
+        loop.run(0)
+
+
+def test_unknown_env_id_fails_at_construction():
+    with pytest.raises(gym.error.Error, match="NoSuchEnv"):
+        sebulba.env_spec("NoSuchEnv-v0")

@@ -1,0 +1,105 @@
+"""The learner: compiles once, publishes networks that inferencers use, reports its figures."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import dispatch
+
+import sebulba
+from sebulba import sharding
+from tests.counting_agent import CountingAgent, CountingStepState
+from tests.envs import CountingEnv
+
+COUNTING = functools.partial(CountingEnv, 5)
+
+
+def counting_loop(agent_cls=CountingAgent, **config):
+    cfg = sebulba.Config(env=COUNTING, **{"envs_per_group": 4, "steps_per_cycle": 3, **config})
+    return sebulba.Sebulba(agent_cls(sebulba.env_spec(COUNTING)), cfg)
+
+
+@pytest.mark.timeout(120)
+def test_nothing_recompiles_after_the_first_cycles(no_leftovers):
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        loop = counting_loop(inference_devices=[0, 1], learner_devices=[2, 3])
+        loop.run(2 * 4 * 3 * 4)  # a few cycles of each of the 4 groups
+        assert compiles, "the listener saw no compilation at all"
+        compiles.clear()
+        result = loop.run(30 * 4 * 3 * 4)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert result.learner_updates >= 30
+    assert compiles == []
+
+
+class RecordsNets(CountingAgent):
+    """Keeps in its step state the network weight it last acted with."""
+
+    def step(self, step_state, nets, env_step):
+        output, state = super().step(step_state, nets, env_step)
+        return output, state._replace(last_id=jnp.broadcast_to(nets["w"], state.last_id.shape))
+
+
+@pytest.mark.timeout(120)
+def test_inferencers_act_with_published_networks(no_leftovers):
+    result = counting_loop(RecordsNets, async_factor=2).run(40 * 4 * 3)
+    w_learner = float(result.state.nets["w"])
+    w_acting = np.asarray(result.state.step_state.last_id)
+    assert w_learner < 0.7  # 40 sgd steps on w**2 from 1.0: 0.98**40 = 0.45
+    # The acting weights come from publications: below the initial 1.0, not behind the
+    # learner by more than the updates a full queue and the cycles in progress account for.
+    assert (w_acting < 0.99).all()
+    assert (w_acting >= w_learner - 1e-6).all()
+    lags = np.asarray(result.policy_lags)
+    assert lags.min() >= 0 and lags.max() <= 2 * 2 + 2
+
+
+@pytest.mark.timeout(120)
+def test_run_reports_accounting_and_stage_times(no_leftovers):
+    result = counting_loop(async_factor=2).run(20 * 4 * 3)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.consumed == 20 * 4 * 3
+    assert result.learner_updates == 20
+    d = result.as_dict()
+    json.dumps(d)
+    for stage in ("env_step", "inference", "shard", "queue_get", "update_experience",
+                  "optimize"):
+        assert d["stage_seconds"][stage] > 0, stage
+    assert d["episodes"] == len(result.episodes) > 0
+    assert all(length == 5 and ret == 5.0 for _, ret, length in result.episodes)
+    assert "env steps" in result.summary() and "policy lag" in result.summary()
+
+
+def test_shard_env_axis_splits_per_env_leaves_and_replicates_scalars():
+    devices = jax.devices()[1:3]
+    tree = {"x": jnp.arange(8.0).reshape(4, 2), "key": jax.random.key(3), "n": jnp.int32(7)}
+    sharded = sharding.shard_env_axis(tree, devices)
+    assert sharded["x"].shape == (2, 2, 2)
+    assert sharded["n"].shape == (2,)
+    assert {s.device for s in sharded["x"].addressable_shards} == set(devices)
+    np.testing.assert_array_equal(sharded["x"][1], [[4.0, 5.0], [6.0, 7.0]])
+    np.testing.assert_array_equal(sharded["n"], [7, 7])
+    assert jax.random.key_data(sharded["key"]).shape == (2, 2)
+    back = sharding.unshard_env_axis(sharded)
+    np.testing.assert_array_equal(back["x"], tree["x"])
+    assert int(back["n"]) == 7
+
+
+def test_default_shard_step_state_rejects_indivisible_env_axis():
+    agent = CountingAgent(sebulba.env_spec(COUNTING))
+    state = CountingStepState(jnp.zeros(3, jnp.int32), jnp.zeros(3))
+    with pytest.raises(ValueError, match="has 3 envs, not divisible by 2"):
+        agent.shard_step_state(state, jax.devices()[:2])
