@@ -132,10 +132,10 @@ class HostEnvStepper:
         self._returns = np.where(first, 0.0, self._returns + env_step.reward)
         self._lengths = np.where(first, 0, self._lengths + 1)
         last = self._was_last
-        ended = []
-        if last.any():
-            ended = [(float(r), int(n)) for r, n in zip(self._returns[last], self._lengths[last], strict=True)]
-        return env_step, ended
+        if not last.any():
+            return env_step, []
+        returns, lengths = self._returns[last].tolist(), self._lengths[last].tolist()
+        return env_step, list(zip(returns, lengths, strict=True))
 
     def _env_step(self, obs, reward, terminated, truncated) -> EnvStep:
         first = self._was_last
