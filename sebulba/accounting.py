@@ -79,8 +79,9 @@ class RunResult:
     """What `Sebulba.run` returns.
 
     Attributes:
-      env_steps: env steps taken by all env groups (reset steps included).
+      env_steps: env steps taken by this process's env groups (reset steps included).
       consumed / dropped / in_flight: where those steps went (see module docstring).
+        All of these are this process's; `global_consumed` is the run's.
       wall_seconds: from the first env step to the end of the run.
       episodes: (env_steps when it ended, return, length) of each completed episode.
       policy_lags: per consumed trajectory, learner version minus acting version.
@@ -103,8 +104,14 @@ class RunResult:
     stage_seconds: dict[str, float]
     learner_updates: int
     metrics: dict[str, float]
+    num_processes: int = 1
     state: AgentState | None = None
     learner_experience: Any = None
+
+    @property
+    def global_consumed(self) -> int:
+        """Consumed by the learner over all processes (each consumes the same)."""
+        return self.consumed * self.num_processes
 
     @property
     def steps_per_second(self) -> float:
@@ -126,6 +133,8 @@ class RunResult:
         return {
             "env_steps": self.env_steps,
             "consumed": self.consumed,
+            "num_processes": self.num_processes,
+            "global_consumed": self.global_consumed,
             "dropped": self.dropped,
             "in_flight": self.in_flight,
             "wall_seconds": round(self.wall_seconds, 3),

@@ -33,17 +33,26 @@ class Layout:
       envs_per_group: envs in one env group (one inferencer thread's vector env).
       num_groups: env groups feeding the learner (async_factor x inference devices).
       steps_per_cycle: env steps per inference cycle (T).
-      num_learner_devices: learner devices the learner's update spans.
+      num_learner_devices: this process's learner devices (one trajectory is split over
+        them).
+      num_processes: processes in the run; each has `num_groups` groups and the same
+        number of learner devices.
     """
 
     envs_per_group: int
     num_groups: int
     steps_per_cycle: int
     num_learner_devices: int
+    num_processes: int = 1
 
     @property
     def total_envs(self) -> int:
+        """Envs of this process."""
         return self.envs_per_group * self.num_groups
+
+    @property
+    def global_envs(self) -> int:
+        return self.total_envs * self.num_processes
 
     @property
     def envs_per_learner_shard(self) -> int:

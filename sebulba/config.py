@@ -27,9 +27,10 @@ class Config:
         "vector_entry_point" (the env's own vectorized implementation, ids only).
       async_factor: env groups (threads) per inference device; 2 = double buffering.
       steps_per_cycle: env steps per inference cycle (trajectory length T).
-      inference_devices: local device indices or devices that run `Agent.step`.
-      learner_devices: local device indices or devices the learner update spans.
-        Both default to the first local device.
+      inference_devices: local device indices (or local devices) that run `Agent.step`.
+      learner_devices: local device indices (or local devices) the learner feeds from this
+        process. With several processes the learner spans these indices of every
+        process. Both default to the first local device.
       queue_capacity: trajectories the global queue holds; 0 means one per env group.
       drop_when_full: drop the oldest queued trajectory instead of waiting for the
         learner (backpressure) when the queue is full. Drops are counted.
@@ -72,7 +73,7 @@ class Config:
             raise ValueError(
                 f"vectorization 'vector_entry_point' needs an env id, got the factory {self.env!r}"
             )
-        num_learners = len(self.resolved_learner_devices())
+        num_learners = len(self.resolved_local_learner_devices())
         if self.envs_per_group % num_learners:
             raise ValueError(
                 f"envs_per_group={self.envs_per_group} must be divisible by the number of "
@@ -81,10 +82,25 @@ class Config:
         self.resolved_inference_devices()
 
     def resolved_inference_devices(self) -> list[jax.Device]:
+        """This process's inference devices."""
         return _resolve("inference_devices", self.inference_devices)
 
-    def resolved_learner_devices(self) -> list[jax.Device]:
+    def resolved_local_learner_devices(self) -> list[jax.Device]:
+        """This process's learner devices."""
         return _resolve("learner_devices", self.learner_devices)
+
+    def resolved_global_learner_devices(self) -> list[jax.Device]:
+        """The learner devices of every process, process by process: the learner mesh."""
+        local = self.resolved_local_learner_devices()
+        if jax.process_count() == 1:
+            return local
+        mine = jax.local_devices()
+        indices = [mine.index(d) for d in local]
+        return [
+            jax.local_devices(process_index=p)[i]
+            for p in range(jax.process_count())
+            for i in indices
+        ]
 
     @property
     def num_groups(self) -> int:
@@ -116,8 +132,8 @@ def _resolve(name: str, devices: Sequence[DeviceLike] | None) -> list[jax.Device
                 )
             resolved.append(local[d])
         elif isinstance(d, jax.Device):
-            if d not in jax.devices():
-                raise ValueError(f"{name} has {d}, which is not one of {jax.devices()}")
+            if d not in local:
+                raise ValueError(f"{name} has {d}, which is not one of this process's {local}")
             resolved.append(d)
         else:
             raise TypeError(f"{name} entries must be device indices or jax.Device, got {d!r}")

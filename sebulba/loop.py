@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,25 @@ from sebulba.inferencer import (
     Staging,
 )
 from sebulba.learner import LearnerFunctions
-from sebulba.types import AgentState, PyTree
+from sebulba.types import AgentState, Nets, PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateInfo:
+    """What `on_update` callbacks see after each learner iteration.
+
+    Attributes:
+      version: optimizer steps taken so far.
+      metrics: the learner's latest metrics (floats; empty before the first update).
+      nets: the networks just published (first local learner replica, on device).
+      accounting: live counters (env steps, consumed, episodes, stage seconds) of this
+        process; read them, don't change them.
+    """
+
+    version: int
+    metrics: dict[str, float]
+    nets: Nets
+    accounting: Accounting
 
 
 class Sebulba:
@@ -39,7 +59,9 @@ class Sebulba:
         self.agent = agent
         self.config = config
         self.inference_devices = config.resolved_inference_devices()
-        self.learner_devices = config.resolved_learner_devices()
+        self.local_learner_devices = config.resolved_local_learner_devices()
+        self.learner_devices = config.resolved_global_learner_devices()  # the learner mesh
+        self.process_index, self.num_processes = jax.process_index(), jax.process_count()
         spec = env_spec(config.env, config.env_kwargs)
         if agent.env_spec != spec:
             raise ValueError(
@@ -54,25 +76,41 @@ class Sebulba:
             envs_per_group=config.envs_per_group,
             num_groups=config.num_groups,
             steps_per_cycle=config.steps_per_cycle,
-            num_learner_devices=len(self.learner_devices),
+            num_learner_devices=len(self.local_learner_devices),
+            num_processes=self.num_processes,
         )
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
         self.learner = LearnerFunctions(agent, self.learner_devices)
 
     def initial_state(self) -> AgentState:
+        """The agent's initial state; nets, optimizer and experience are the same in every
+        process, the step state (this process's envs) differs between processes."""
         net_key, state_key = jax.random.split(jax.random.key(self.config.seed))
         nets = self.agent.new_networks(net_key)
-        return self.agent.new_state(nets, state_key, self.layout)
+        state = self.agent.new_state(nets, state_key, self.layout)
+        if self.process_index:
+            step_key = jax.random.fold_in(state_key, self.process_index)
+            step_state = self.agent._new_step_state(nets, step_key, self.layout.total_envs)
+            state = state._replace(step_state=step_state)
+        return state
 
     def run(
-        self, total_env_steps: int, state: AgentState | None = None, *, learn: bool = True
+        self,
+        total_env_steps: int,
+        state: AgentState | None = None,
+        *,
+        learn: bool = True,
+        on_update: Callable[[UpdateInfo], None] | None = None,
     ) -> RunResult:
         """Acts and learns until the learner has consumed `total_env_steps` env steps.
 
         Args:
-          total_env_steps: env steps (over all envs) the learner must consume.
+          total_env_steps: env steps over all envs of all processes the learner must
+            consume. Every process consumes one trajectory per learner iteration.
           state: where to start from; `initial_state()` if None.
           learn: if False, trajectories are consumed without updates (acting only).
+          on_update: called on the learner thread after each learner iteration (for
+            progress, logging, checkpoints); an error in it stops the run.
         Returns:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
@@ -92,7 +130,7 @@ class Sebulba:
         trajectories: queue.Queue[QueueItem] = queue.Queue(cfg.effective_queue_capacity)
         stagings = {d: Staging(d) for d in self.inference_devices}
         version = 0
-        self._publish(stagings, nets, version)
+        published = self._publish(stagings, nets, version)
 
         runners: list[EnvGroupRunner] = []
         threads: list[threading.Thread] = []
@@ -108,7 +146,7 @@ class Sebulba:
             start = time.perf_counter()
             for t in threads:
                 t.start()
-            while accounting.consumed < total_env_steps:
+            while accounting.consumed * self.num_processes < total_env_steps:
                 popped = self._get(trajectories, errors, accounting)
                 lag = version - popped.version
                 if learn:
@@ -122,13 +160,15 @@ class Sebulba:
                             nets, opt, experience)
                         version += 1
                     if self.optims_per_cycle:
-                        self._publish(stagings, nets, version)
+                        published = self._publish(stagings, nets, version)
                         metrics = self._fetch_metrics(step_metrics, version)
                     t2 = time.perf_counter()
                     accounting.add_time("update_experience", t1 - t0)
                     accounting.add_time("optimize", t2 - t1)
                 accounting.add_consumed(popped.num_env_steps, lag)
                 popped = None
+                if on_update is not None:
+                    on_update(UpdateInfo(version, metrics, published, accounting))
         finally:
             stop.set()
             still_alive = self._shut_down(threads, runners)
@@ -163,6 +203,7 @@ class Sebulba:
             stage_seconds=dict(accounting.stage_seconds),
             learner_updates=version,
             metrics=metrics,
+            num_processes=self.num_processes,
             state=final_state,
             learner_experience=experience,
         )
@@ -182,7 +223,7 @@ class Sebulba:
                     stepper=HostEnvStepper(vec),
                     step_state=_slice_env_axis(step_state, group * envs_per_group,
                                                envs_per_group),
-                    seed=cfg.seed + group * envs_per_group,
+                    seed=cfg.seed + (self.process_index * cfg.num_groups + group) * envs_per_group,
                     acting=self.acting,
                     staging=stagings[device],
                     learner_devices=self.learner_devices,
@@ -198,10 +239,12 @@ class Sebulba:
             raise
         return runners
 
-    def _publish(self, stagings: dict[jax.Device, Staging], nets: PyTree, version: int) -> None:
+    def _publish(self, stagings: dict[jax.Device, Staging], nets: PyTree, version: int) -> PyTree:
+        """Copies the nets to every inference device; returns the copy on the learner."""
         single = sharding.first_replica(nets)
         for staging in stagings.values():
             staging.publish(version, single)
+        return single
 
     def _get(self, trajectories: queue.Queue, errors: ErrorBox,
              accounting: Accounting) -> QueueItem:
