@@ -150,21 +150,9 @@ class Sebulba:
                 popped = self._get(trajectories, errors, accounting)
                 lag = version - popped.version
                 if learn:
-                    t0 = time.perf_counter()
-                    experience = self.learner.update_experience(
-                        experience, popped.initial_step_state, popped.final_step_state,
-                        popped.trajectory)
-                    t1 = time.perf_counter()
-                    for _ in range(self.optims_per_cycle):
-                        nets, opt, experience, step_metrics = self.learner.optimize(
-                            nets, opt, experience)
-                        version += 1
-                    if self.optims_per_cycle:
-                        published = self._publish(stagings, nets, version)
-                        metrics = self._fetch_metrics(step_metrics, version)
-                    t2 = time.perf_counter()
-                    accounting.add_time("update_experience", t1 - t0)
-                    accounting.add_time("optimize", t2 - t1)
+                    nets, opt, experience, version, published, metrics = self._learn(
+                        nets, opt, experience, popped, version, stagings, accounting,
+                        published, metrics)
                 accounting.add_consumed(popped.num_env_steps, lag)
                 popped = None
                 if on_update is not None:
@@ -207,6 +195,31 @@ class Sebulba:
             state=final_state,
             learner_experience=experience,
         )
+
+    def _learn(self, nets, opt, experience, item: QueueItem, version: int, stagings,
+               accounting: Accounting, published, metrics):
+        """One learner iteration on `item`: update_experience, optimizer steps, publish."""
+        try:
+            t0 = time.perf_counter()
+            experience = self.learner.update_experience(
+                experience, item.initial_step_state, item.final_step_state, item.trajectory)
+            t1 = time.perf_counter()
+            for _ in range(self.optims_per_cycle):
+                nets, opt, experience, step_metrics = self.learner.optimize(nets, opt, experience)
+                version += 1
+            if self.optims_per_cycle:
+                published = self._publish(stagings, nets, version)
+                metrics = self._fetch_metrics(step_metrics, version)
+            t2 = time.perf_counter()
+        except jax.errors.JaxRuntimeError as e:
+            if self.num_processes > 1:
+                raise RuntimeError(
+                    f"the learner's update across {self.num_processes} processes failed; a "
+                    f"peer process probably died or became unreachable: {e}") from e
+            raise
+        accounting.add_time("update_experience", t1 - t0)
+        accounting.add_time("optimize", t2 - t1)
+        return nets, opt, experience, version, published, metrics
 
     def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):
         cfg = self.config

@@ -1,0 +1,34 @@
+"""Several processes as one JAX cluster (multi-controller), following JAX's conventions.
+
+Every process runs the whole Sebulba picture on its local devices; the learner's
+compiled update spans the learner devices of all processes. Call `initialize` before
+anything else touches JAX devices.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    heartbeat_timeout_seconds: int = 100,
+    initialization_timeout: int = 300,
+) -> None:
+    """Joins the cluster with `jax.distributed.initialize`.
+
+    Arguments left None come from JAX's own detection (its environment variables or a
+    cluster manager). On CPU, collectives between processes go over gloo. A peer that
+    dies or stops answering ends the others within about `heartbeat_timeout_seconds`.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        initialization_timeout=initialization_timeout,
+    )
