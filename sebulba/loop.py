@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +41,27 @@ class UpdateInfo:
       nets: the networks just published (first local learner replica, on device).
       accounting: live counters (env steps, consumed, episodes, stage seconds) of this
         process; read them, don't change them.
+      learner_state(): the full learner state, for checkpoints.
     """
 
     version: int
     metrics: dict[str, float]
     nets: Nets
     accounting: Accounting
+    _learner: _LearnerSnapshot
+
+    def learner_state(self) -> tuple[Nets, PyTree, PyTree]:
+        """(nets, opt, local experience [num_local_learners, ...]) copied off the
+        learner now, e.g. for a checkpoint; costs a copy, so call it only when needed."""
+        snap = self._learner
+        return (sharding.first_replica(snap.nets), sharding.first_replica(snap.opt),
+                sharding.local_entries(snap.experience))
+
+
+class _LearnerSnapshot(NamedTuple):
+    nets: PyTree
+    opt: PyTree
+    experience: PyTree
 
 
 class Sebulba:
@@ -101,6 +117,7 @@ class Sebulba:
         *,
         learn: bool = True,
         on_update: Callable[[UpdateInfo], None] | None = None,
+        local_experience: PyTree | None = None,
     ) -> RunResult:
         """Acts and learns until the learner has consumed `total_env_steps` env steps.
 
@@ -111,6 +128,9 @@ class Sebulba:
           learn: if False, trajectories are consumed without updates (acting only).
           on_update: called on the learner thread after each learner iteration (for
             progress, logging, checkpoints); an error in it stops the run.
+          local_experience: one experience per local learner device, stacked (leaves
+            [num_local_learners, ...], e.g. `RunResult.local_experience()` or a
+            checkpoint); by default every learner device starts from `state.experience`.
         Returns:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
@@ -122,7 +142,10 @@ class Sebulba:
         devices = self.learner_devices
         nets = sharding.replicate(state.nets, devices)
         opt = sharding.replicate(state.opt, devices)
-        experience = sharding.replicate(state.experience, devices)
+        if local_experience is None:
+            experience = sharding.replicate(state.experience, devices)
+        else:
+            experience = sharding.stack_local(local_experience, devices)
 
         stop = threading.Event()
         errors = ErrorBox(stop)
@@ -156,7 +179,8 @@ class Sebulba:
                 accounting.add_consumed(popped.num_env_steps, lag)
                 popped = None
                 if on_update is not None:
-                    on_update(UpdateInfo(version, metrics, published, accounting))
+                    on_update(UpdateInfo(version, metrics, published, accounting,
+                                         _LearnerSnapshot(nets, opt, experience)))
         finally:
             stop.set()
             still_alive = self._shut_down(threads, runners)

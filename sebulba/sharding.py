@@ -91,6 +91,30 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     return assemble([jax.device_put(tree, d, may_alias=False) for d in local], devices)
 
 
+def stack_local(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
+    """Global arrays from leaves [num_local_learners, ...]: entry i goes to local device i."""
+    local = local_devices_of(devices)
+    leading = {x.shape[0] for x in jax.tree.leaves(tree)}
+    if leading != {len(local)}:
+        raise ValueError(
+            f"per-device state has leading axes {sorted(leading)}, expected {len(local)} "
+            "(one entry per local learner device)"
+        )
+    return assemble([jax.device_put(jax.tree.map(lambda x, i=i: x[i], tree), d)
+                     for i, d in enumerate(local)], devices)
+
+
+def local_entries(tree: PyTree) -> PyTree:
+    """This process's entries of global [num_learners, ...] arrays, stacked in mesh order
+    on the first local device: leaves [num_local_learners, ...]."""
+    def gather(x: jax.Array) -> jax.Array:
+        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start)
+        device = shards[0].device
+        return jnp.concatenate([jax.device_put(s.data, device) for s in shards])
+
+    return jax.tree.map(gather, tree)
+
+
 @jax.jit
 def _drop_learner_axis(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x[0], tree)

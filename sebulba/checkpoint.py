@@ -1,0 +1,179 @@
+"""Checkpoints of the learner state on disk, with orbax-checkpoint.
+
+A checkpoint holds the networks, the optimizer state, the step counters and, when asked,
+each local learner device's experience, plus JSON metadata naming the agent, its config
+and the shapes of its networks. Restoring checks the metadata against the run that
+restores it and refuses a checkpoint of another agent or network shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from sebulba.types import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    nets: PyTree
+    opt: PyTree
+    local_experience: PyTree | None  # leaves [num_local_learners, ...], if it was saved
+    counters: dict[str, int]  # version, consumed (global), env_steps (this process)
+    metadata: dict[str, Any]
+
+
+def tree_signature(tree: PyTree) -> dict[str, str]:
+    """Path -> 'dtype[shape]' of every leaf: what must match to restore into `tree`."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(p): f"{_dtype(x)}{list(np.shape(x))}" for p, x in leaves}
+
+
+def _dtype(x) -> str:
+    dtype = getattr(x, "dtype", np.asarray(x).dtype)
+    return str(dtype)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_savable(tree: PyTree) -> PyTree:
+    """Host numpy arrays; typed PRNG keys become their raw key data."""
+    return jax.tree.map(
+        lambda x: np.asarray(jax.random.key_data(x) if _is_key(x) else x), tree
+    )
+
+
+def _from_saved(saved: PyTree, like: PyTree) -> PyTree:
+    def back(s, t):
+        if _is_key(t):
+            return jax.random.wrap_key_data(np.asarray(s), impl=jax.random.key_impl(t))
+        return np.asarray(s)
+
+    return jax.tree.map(back, saved, like)
+
+
+class Checkpointer:
+    """Keeps the last `max_to_keep` checkpoints in `directory`.
+
+    In a multi-process run only process 0 should make one (every process holds the same
+    networks); pass `primary_only=True` there so orbax does not wait for the others.
+    """
+
+    def __init__(self, directory: str, *, max_to_keep: int = 3, primary_only: bool = False):
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+        )
+        if primary_only and jax.process_count() > 1:
+            options = dataclasses.replace(
+                options,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    primary_host=jax.process_index(), active_processes={jax.process_index()}
+                ),
+            )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "experience", "meta")
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(
+        self,
+        step: int,
+        *,
+        nets: PyTree,
+        opt: PyTree,
+        counters: Mapping[str, int],
+        metadata: Mapping[str, Any],
+        local_experience: PyTree | None = None,
+    ) -> None:
+        """Writes checkpoint `step` (blocking, so a crash right after loses nothing)."""
+        items = {"state": ocp.args.StandardSave({"nets": _to_savable(nets),
+                                                 "opt": _to_savable(opt)})}
+        if local_experience is not None:
+            items["experience"] = ocp.args.StandardSave(_to_savable(local_experience))
+        meta = {
+            **metadata,
+            "counters": {k: int(v) for k, v in counters.items()},
+            "nets_signature": tree_signature(nets),
+            "has_experience": local_experience is not None,
+        }
+        json.dumps(meta)  # fail here, not inside orbax, on metadata that is not JSON
+        self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
+        self._manager.wait_until_finished()
+
+    def restore(
+        self,
+        *,
+        nets: PyTree,
+        opt: PyTree,
+        metadata: Mapping[str, Any],
+        local_experience: PyTree | None = None,
+        step: int | None = None,
+    ) -> Restored:
+        """Restores checkpoint `step` (default: the latest) into the shapes of the given trees.
+
+        `nets`, `opt` and `local_experience` are this run's freshly built state, used as
+        the target; `metadata` is this run's, and its "agent" entry and the network
+        signature must match the checkpoint's.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
+        where = f"checkpoint {step} in {self.directory}"
+        if meta.get("agent") != metadata.get("agent"):
+            raise ValueError(
+                f"{where} was written by agent {meta.get('agent')!r}; this run's agent is "
+                f"{metadata.get('agent')!r}"
+            )
+        signature = tree_signature(nets)
+        if meta["nets_signature"] != signature:
+            differ = sorted(
+                k for k in set(signature) | set(meta["nets_signature"])
+                if signature.get(k) != meta["nets_signature"].get(k)
+            )
+            raise ValueError(
+                f"{where} holds networks of another shape: differing parameters "
+                + ", ".join(
+                    f"{k} (checkpoint {meta['nets_signature'].get(k)}, run {signature.get(k)})"
+                    for k in differ[:5]
+                )
+            )
+        items = {"state": ocp.args.StandardRestore({"nets": _to_savable(nets),
+                                                    "opt": _to_savable(opt)})}
+        # Experience is its own item: a run that does not want it does not read it.
+        with_experience = meta["has_experience"] and local_experience is not None
+        if with_experience:
+            items["experience"] = ocp.args.StandardRestore(_to_savable(local_experience))
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return Restored(
+            nets=_from_saved(restored["state"]["nets"], nets),
+            opt=_from_saved(restored["state"]["opt"], opt),
+            local_experience=(
+                _from_saved(restored["experience"], local_experience)
+                if with_experience else None
+            ),
+            counters=dict(meta["counters"]),
+            metadata=meta,
+        )
+
+    def close(self) -> None:
+        self._manager.close()
