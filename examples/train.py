@@ -2,6 +2,9 @@
 
     python -m examples.train                      # SPG on CartPole-v1, a few minutes on CPU
     python -m examples.train --num_envs=32 --async_factor=1 --total_env_steps=500000
+    python -m examples.train --logdir=runs/cp --checkpoint_every_steps=50000
+    python -m examples.train --logdir=runs/cp --resume --total_env_steps=1000000
+    python -m examples.train --helpfull           # every flag, agent flags grouped per agent
 
 Devices are chosen by index into this process's local devices. Across machines, run the
 same command on every host with its own --process_id:
@@ -11,19 +14,26 @@ same command on every host with its own --process_id:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import jax
 from absl import app, flags
 
 import sebulba
-from agents.spg import SPG, SPGConfig
+from agents.registry import AGENTS
+from examples.config_flags import config_from_flags, define_config_flags
 from sebulba import distributed
+from sebulba.checkpoint import Checkpointer
+from sebulba.metrics import Reporter, default_writers
 
-_ENV = flags.DEFINE_string("env", "CartPole-v1", "A gymnasium.make_vec id.")
+_AGENT = flags.DEFINE_enum("agent", "spg", sorted(AGENTS), "Which agent to train.")
+_ENV = flags.DEFINE_string("env", "CartPole-v1", "A gymnasium.make_vec id (ALE/... for Atari).")
 _NUM_ENVS = flags.DEFINE_integer("num_envs", 16, "Envs per env group (one inferencer thread).")
 _VECTORIZATION = flags.DEFINE_enum(
-    "vectorization", "sync", ["sync", "async", "vector_entry_point"], "How env groups step.")
+    "vectorization", "sync", ["sync", "async", "vector_entry_point"],
+    "sync: envs step in the inferencer thread; async: one subprocess per env.")
 _ASYNC_FACTOR = flags.DEFINE_integer(
     "async_factor", 2, "Env groups per inference device (2 = double buffering).")
 _STEPS_PER_CYCLE = flags.DEFINE_integer("steps_per_cycle", 16, "Env steps per inference cycle.")
@@ -31,17 +41,29 @@ _INFERENCE_DEVICES = flags.DEFINE_list(
     "inference_devices", ["0"], "Local device indices that run inference.")
 _LEARNER_DEVICES = flags.DEFINE_list(
     "learner_devices", ["0"], "Local device indices the learner spans.")
-_TOTAL_ENV_STEPS = flags.DEFINE_integer("total_env_steps", 300_000, "Env steps to learn from.")
+_TOTAL_ENV_STEPS = flags.DEFINE_integer(
+    "total_env_steps", 300_000, "Env steps (all envs, all processes) to learn from.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds networks, agent state and envs.")
-_LEARNING_RATE = flags.DEFINE_float(
-    "spg_learning_rate", SPGConfig.learning_rate, "SPG: Adam step size.")
-_HIDDEN = flags.DEFINE_list(
-    "spg_hidden_sizes", [str(h) for h in SPGConfig.hidden_sizes], "SPG: MLP layer sizes.")
+_LOGDIR = flags.DEFINE_string(
+    "logdir", None, "Where metrics (TensorBoard events, metrics.jsonl) and checkpoints go.")
+_LOG_EVERY = flags.DEFINE_float("log_every_seconds", 5.0, "Seconds between metric writes.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every_steps", 100_000, "Env steps between checkpoints (needs --logdir).")
+_KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
+_SAVE_EXPERIENCE = flags.DEFINE_bool(
+    "checkpoint_experience", False, "Also checkpoint the experience (replay) state.")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --logdir.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "host:port of process 0 for a multi-process run (jax.distributed); unset: one process.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1.")
+
+_AGENT_FLAGS = {
+    name: define_config_flags(name, entry.config_class, module_name=f"agents.{name}")
+    for name, entry in AGENTS.items()
+}
 
 
 def _indices(name: str, values: list[str]) -> list[int]:
@@ -51,28 +73,110 @@ def _indices(name: str, values: list[str]) -> list[int]:
         raise app.UsageError(f"--{name} must be device indices, got {values}") from None
 
 
+def build(agent_name: str, agent_config, config: sebulba.Config) -> sebulba.Sebulba:
+    agent = AGENTS[agent_name].build(sebulba.env_spec(config.env, config.env_kwargs),
+                                     agent_config)
+    return sebulba.Sebulba(agent, config)
+
+
+def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
+    """What a checkpoint records to rebuild (and check) the agent and its env."""
+    return {"agent": agent_name, "agent_config": dataclasses.asdict(agent_config),
+            "env": config.env, "env_kwargs": dict(config.env_kwargs)}
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _RESUME.value and not _LOGDIR.value:
+        raise app.UsageError("--resume needs --logdir")
+    try:  # every bad value is reported here, before envs, threads or devices start
+        agent_config = config_from_flags(
+            AGENTS[_AGENT.value].config_class, _AGENT_FLAGS[_AGENT.value])
+        config = sebulba.Config(
+            env=_ENV.value,
+            envs_per_group=_NUM_ENVS.value,
+            vectorization=_VECTORIZATION.value,
+            async_factor=_ASYNC_FACTOR.value,
+            steps_per_cycle=_STEPS_PER_CYCLE.value,
+            inference_devices=_indices("inference_devices", _INFERENCE_DEVICES.value),
+            learner_devices=_indices("learner_devices", _LEARNER_DEVICES.value),
+            seed=_SEED.value,
+        )
+        for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
+            if holder.value < 1:
+                raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
+    except (ValueError, TypeError) as e:
+        raise app.UsageError(str(e)) from None
     if _COORDINATOR.value is not None:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    config = sebulba.Config(
-        env=_ENV.value,
-        envs_per_group=_NUM_ENVS.value,
-        vectorization=_VECTORIZATION.value,
-        async_factor=_ASYNC_FACTOR.value,
-        steps_per_cycle=_STEPS_PER_CYCLE.value,
-        inference_devices=_indices("inference_devices", _INFERENCE_DEVICES.value),
-        learner_devices=_indices("learner_devices", _LEARNER_DEVICES.value),
-        seed=_SEED.value,
-    )
-    agent_config = SPGConfig(
-        hidden_sizes=tuple(int(h) for h in _HIDDEN.value), learning_rate=_LEARNING_RATE.value)
-    agent = SPG(sebulba.env_spec(config.env), agent_config)
-    result = sebulba.Sebulba(agent, config).run(_TOTAL_ENV_STEPS.value)
-    if jax.process_index() == 0:  # every process has the same networks: report once
+    primary = jax.process_index() == 0
+    loop = build(_AGENT.value, agent_config, config)
+    metadata = run_metadata(_AGENT.value, agent_config, config)
+
+    state = loop.initial_state()
+    local_experience = None
+    consumed = 0
+    checkpointer = None
+    if _LOGDIR.value:
+        checkpointer = Checkpointer(os.path.join(_LOGDIR.value, "checkpoints"),
+                                    max_to_keep=_KEEP.value, primary_only=True)
+    if _RESUME.value and checkpointer.latest_step() is not None:
+        like_experience = (
+            jax.tree.map(lambda x: jax.numpy.stack([x] * len(loop.local_learner_devices)),
+                         state.experience) if _SAVE_EXPERIENCE.value else None)
+        restored = checkpointer.restore(nets=state.nets, opt=state.opt, metadata=metadata,
+                                        local_experience=like_experience)
+        state = state._replace(nets=restored.nets, opt=restored.opt)
+        local_experience = restored.local_experience
+        consumed = restored.counters["consumed"]
+        if primary:
+            print(f"resumed from {checkpointer.directory} at {consumed:,} env steps")
+    remaining = _TOTAL_ENV_STEPS.value - consumed
+    if remaining <= 0:
+        if primary:
+            print(f"nothing to do: {consumed:,} of {_TOTAL_ENV_STEPS.value:,} env steps done")
+        return
+
+    writer = default_writers(_LOGDIR.value) if (_LOGDIR.value and primary) else None
+    reporter = Reporter(_TOTAL_ENV_STEPS.value, writer, every_seconds=_LOG_EVERY.value,
+                        progress=_PROGRESS.value and primary, step_offset=consumed,
+                        num_processes=jax.process_count())
+    next_save = consumed + _CHECKPOINT_EVERY.value
+
+    def save(step: int, info) -> None:
+        nets, opt, experience = info.learner_state()
+        checkpointer.save(
+            step, nets=nets, opt=opt, metadata=metadata,
+            counters={"consumed": step, "learner_updates": info.version},
+            local_experience=experience if _SAVE_EXPERIENCE.value else None)
+
+    last_info = None
+
+    def on_update(info) -> None:
+        nonlocal next_save, last_info
+        last_info = info
+        reporter(info)
+        step = reporter.global_step(info)
+        if checkpointer is not None and primary and step >= next_save:
+            save(step, info)
+            next_save = step + _CHECKPOINT_EVERY.value
+
+    try:
+        result = loop.run(remaining, state, on_update=on_update,
+                          local_experience=local_experience)
+        if checkpointer is not None and primary and last_info is not None:
+            step = reporter.global_step(last_info)
+            if step not in checkpointer.all_steps():
+                save(step, last_info)
+    finally:
+        reporter.close()
+        if checkpointer is not None:
+            checkpointer.close()
+    if primary:  # every process has the same networks: report once
         print(result.summary())
-        print(json.dumps({k: v for k, v in result.as_dict().items() if k != "metrics"}))
+        summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}
+        print(json.dumps({"total_consumed": consumed + result.global_consumed, **summary}))
 
 
 if __name__ == "__main__":

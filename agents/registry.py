@@ -1,0 +1,27 @@
+"""Agents by name, for the launcher and evaluation: add an entry to plug a new one in."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import sebulba
+from agents.spg import SPG, SPGConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentEntry:
+    """How to build an agent from an env spec and its config dataclass.
+
+    The config class's fields (int, float, bool, str, or tuples of int) become launcher
+    flags named `<agent>_<field>`, documented from the class docstring's `Attributes:`.
+    """
+
+    config_class: type
+    build: Callable[[sebulba.EnvSpec, Any], sebulba.Agent]
+
+
+AGENTS: dict[str, AgentEntry] = {
+    "spg": AgentEntry(SPGConfig, SPG),
+}
