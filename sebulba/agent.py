@@ -124,6 +124,14 @@ class Agent(abc.ABC):
           (ActorOutput with leaves [E, ...], the next StepState).
         """
 
+    def greedy_step(
+        self, step_state: StepState, nets: Nets, env_step: EnvStep
+    ) -> tuple[ActorOutput, StepState]:
+        """Like `step` without exploration, for evaluation. Optional."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement greedy_step; evaluate with sampling"
+        )
+
     # Learning: compiled over the learner devices; arguments are one device's shard.
 
     @abc.abstractmethod

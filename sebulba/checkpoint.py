@@ -24,7 +24,7 @@ from sebulba.types import PyTree
 @dataclasses.dataclass(frozen=True)
 class Restored:
     nets: PyTree
-    opt: PyTree
+    opt: PyTree | None
     local_experience: PyTree | None  # leaves [num_local_learners, ...], if it was saved
     counters: dict[str, int]  # version, consumed (global), env_steps (this process)
     metadata: dict[str, Any]
@@ -83,7 +83,7 @@ class Checkpointer:
                 ),
             )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "experience", "meta")
+            self.directory, options=options, item_names=("nets", "opt", "experience", "meta")
         )
 
     def latest_step(self) -> int | None:
@@ -103,8 +103,8 @@ class Checkpointer:
         local_experience: PyTree | None = None,
     ) -> None:
         """Writes checkpoint `step` (blocking, so a crash right after loses nothing)."""
-        items = {"state": ocp.args.StandardSave({"nets": _to_savable(nets),
-                                                 "opt": _to_savable(opt)})}
+        items = {"nets": ocp.args.StandardSave(_to_savable(nets)),
+                 "opt": ocp.args.StandardSave(_to_savable(opt))}
         if local_experience is not None:
             items["experience"] = ocp.args.StandardSave(_to_savable(local_experience))
         meta = {
@@ -121,7 +121,7 @@ class Checkpointer:
         self,
         *,
         nets: PyTree,
-        opt: PyTree,
+        opt: PyTree | None,
         metadata: Mapping[str, Any],
         local_experience: PyTree | None = None,
         step: int | None = None,
@@ -129,15 +129,11 @@ class Checkpointer:
         """Restores checkpoint `step` (default: the latest) into the shapes of the given trees.
 
         `nets`, `opt` and `local_experience` are this run's freshly built state, used as
-        the target; `metadata` is this run's, and its "agent" entry and the network
-        signature must match the checkpoint's.
+        the target (None: not restored); `metadata` is this run's, and its "agent" entry
+        and the network signature must match the checkpoint's.
         """
         step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        meta = self.metadata(step)
         where = f"checkpoint {step} in {self.directory}"
         if meta.get("agent") != metadata.get("agent"):
             raise ValueError(
@@ -157,16 +153,17 @@ class Checkpointer:
                     for k in differ[:5]
                 )
             )
-        items = {"state": ocp.args.StandardRestore({"nets": _to_savable(nets),
-                                                    "opt": _to_savable(opt)})}
+        items = {"nets": ocp.args.StandardRestore(_to_savable(nets))}
+        if opt is not None:
+            items["opt"] = ocp.args.StandardRestore(_to_savable(opt))
         # Experience is its own item: a run that does not want it does not read it.
         with_experience = meta["has_experience"] and local_experience is not None
         if with_experience:
             items["experience"] = ocp.args.StandardRestore(_to_savable(local_experience))
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return Restored(
-            nets=_from_saved(restored["state"]["nets"], nets),
-            opt=_from_saved(restored["state"]["opt"], opt),
+            nets=_from_saved(restored["nets"], nets),
+            opt=_from_saved(restored["opt"], opt) if opt is not None else None,
             local_experience=(
                 _from_saved(restored["experience"], local_experience)
                 if with_experience else None
@@ -174,6 +171,17 @@ class Checkpointer:
             counters=dict(meta["counters"]),
             metadata=meta,
         )
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON metadata of checkpoint `step` (default: the latest)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step not in self.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint {step} in {self.directory}; there are {self.all_steps()}")
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return self._manager.restore(step, args=args)["meta"]
 
     def close(self) -> None:
         self._manager.close()

@@ -1,0 +1,72 @@
+"""Evaluate a checkpoint: act only, N episodes, mean and spread of the return.
+
+    python -m examples.evaluate --checkpoint=runs/cp --episodes=20
+    python -m examples.evaluate --checkpoint=runs/cp --sampled --video_dir=runs/cp/video
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+from absl import app, flags
+
+import sebulba
+from agents.registry import AGENTS
+from sebulba.checkpoint import Checkpointer
+from sebulba.evaluation import evaluate, record_video
+
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A training --logdir or its checkpoints/ folder.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
+_EPISODES = flags.DEFINE_integer("episodes", 10, "Episodes to evaluate.")
+_NUM_ENVS = flags.DEFINE_integer("num_envs", 8, "Envs stepped together.")
+_SAMPLED = flags.DEFINE_bool("sampled", False, "Sample actions instead of acting greedily.")
+_SEED = flags.DEFINE_integer("seed", 1234, "Seeds the envs and sampling.")
+_VIDEO_DIR = flags.DEFINE_string(
+    "video_dir", None, "If set, record one episode there (env must render rgb_array).")
+
+
+def checkpoint_dir(path: str) -> str:
+    nested = os.path.join(path, "checkpoints")
+    return nested if os.path.isdir(nested) else path
+
+
+def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, object, dict]:
+    """(agent, nets, metadata) from a checkpoint written by examples.train."""
+    checkpointer = Checkpointer(checkpoint_dir(path))
+    try:
+        meta = checkpointer.metadata(step)
+        entry = AGENTS.get(meta["agent"])
+        if entry is None:
+            raise ValueError(f"checkpoint agent {meta['agent']!r} is not one of {sorted(AGENTS)}")
+        config = entry.config_class(**{
+            k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
+        agent = entry.build(sebulba.env_spec(meta["env"], meta["env_kwargs"]), config)
+        like = agent.new_networks(jax.random.key(0))
+        restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)
+    finally:
+        checkpointer.close()
+    return agent, restored.nets, meta
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
+    greedy = not _SAMPLED.value
+    result = evaluate(agent, nets, meta["env"], _EPISODES.value, greedy=greedy,
+                      num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=meta["env_kwargs"])
+    report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
+              **result.as_dict()}
+    if _VIDEO_DIR.value:
+        report["video_return"] = record_video(agent, nets, meta["env"], _VIDEO_DIR.value,
+                                              greedy=greedy, seed=_SEED.value,
+                                              env_kwargs=meta["env_kwargs"])
+        report["video_dir"] = _VIDEO_DIR.value
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    app.run(main)

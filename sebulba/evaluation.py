@@ -1,0 +1,89 @@
+"""Acting-only evaluation of a policy: N episodes, their returns, optionally a video."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium as gym
+import jax
+import numpy as np
+
+from sebulba.agent import Agent
+from sebulba.envs import EnvFactory, HostEnvStepper, close_vector_env, make_vector_env
+from sebulba.types import Nets
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationResult:
+    returns: list[float]
+    lengths: list[int]
+
+    def as_dict(self) -> dict[str, Any]:
+        r = np.asarray(self.returns)
+        return {"episodes": len(r), "mean_return": float(r.mean()), "std_return": float(r.std()),
+                "min_return": float(r.min()), "max_return": float(r.max()),
+                "mean_length": float(np.mean(self.lengths))}
+
+
+def evaluate(
+    agent: Agent,
+    nets: Nets,
+    env: str | EnvFactory,
+    num_episodes: int,
+    *,
+    greedy: bool = True,
+    num_envs: int = 8,
+    seed: int = 0,
+    env_kwargs: Mapping[str, Any] | None = None,
+    max_env_steps: int = 10_000_000,
+) -> EvaluationResult:
+    """Runs `agent` (greedy or sampled) until `num_episodes` episodes have ended.
+
+    The first `num_episodes` episodes to end are reported, whichever env they ran in.
+    """
+    if num_episodes < 1 or num_envs < 1:
+        raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
+    act = jax.jit(agent.greedy_step if greedy else agent.step)
+    vec = make_vector_env(env, num_envs, "sync", env_kwargs)
+    try:
+        stepper = HostEnvStepper(vec)
+        env_step = stepper.reset(seed=seed)
+        step_state = agent._new_step_state(nets, jax.random.key(seed), num_envs)
+        ended: list[tuple[float, int]] = []
+        for _ in range(max_env_steps // num_envs):
+            output, step_state = act(step_state, nets, env_step)
+            env_step, finished = stepper.step(np.asarray(output.action))
+            ended += finished
+            if len(ended) >= num_episodes:
+                break
+        else:
+            raise RuntimeError(f"only {len(ended)} episodes ended within {max_env_steps} steps")
+    finally:
+        close_vector_env(vec)
+    ended = ended[:num_episodes]
+    return EvaluationResult([r for r, _ in ended], [n for _, n in ended])
+
+
+def record_video(
+    agent: Agent,
+    nets: Nets,
+    env_id: str,
+    video_dir: str,
+    *,
+    greedy: bool = True,
+    seed: int = 0,
+    env_kwargs: Mapping[str, Any] | None = None,
+) -> float:
+    """Records one episode to `video_dir` (gymnasium's RecordVideo, written by moviepy).
+
+    Returns the episode's return. The env must support render_mode="rgb_array".
+    """
+    def make():
+        single = gym.make(env_id, render_mode="rgb_array", **(env_kwargs or {}))
+        return gym.wrappers.RecordVideo(single, video_dir, episode_trigger=lambda i: i == 0,
+                                        disable_logger=True)
+
+    result = evaluate(agent, nets, make, 1, greedy=greedy, num_envs=1, seed=seed)
+    return result.returns[0]
