@@ -141,12 +141,14 @@ class Agent(abc.ABC):
         initial_step_state: StepState,
         final_step_state: StepState,
         trajectory: Trajectory,
+        nets: Nets,
     ) -> Experience:
         """Adds one trajectory shard (leaves [E / L, T(+1), ...]) to the experience.
 
         `initial_step_state` is the state the group acted from at the trajectory's first
         step (e.g. an LSTM's state to start training from); `final_step_state` the one
-        after its last action.
+        after its last action. `nets` are the learner's current networks, for what is
+        computed once per trajectory (PPO's advantages, initial replay priorities).
         """
 
     @abc.abstractmethod

@@ -41,7 +41,7 @@ class LearnerFunctions:
     def __init__(self, agent: Agent, devices: Sequence[jax.Device]):
         self.agent = agent
         self.update_experience: Callable[
-            [Experience, StepState, StepState, Trajectory], Experience
+            [Experience, StepState, StepState, Trajectory, Nets], Experience
         ] = per_learner_device(agent.update_experience, devices, donate_argnums=(0,))
         self.optimize: Callable[
             [Nets, OptState, Experience], tuple[Nets, OptState, Experience, Metrics]

@@ -226,7 +226,8 @@ class Sebulba:
         try:
             t0 = time.perf_counter()
             experience = self.learner.update_experience(
-                experience, item.initial_step_state, item.final_step_state, item.trajectory)
+                experience, item.initial_step_state, item.final_step_state, item.trajectory,
+                nets)
             t1 = time.perf_counter()
             for _ in range(self.optims_per_cycle):
                 nets, opt, experience, step_metrics = self.learner.optimize(nets, opt, experience)

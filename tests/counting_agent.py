@@ -56,7 +56,8 @@ class CountingAgent(sebulba.Agent):
         new_state = CountingStepState(step_state.count + 1, env_step.obs[:, 0])
         return sebulba.ActorOutput(action=action), new_state
 
-    def update_experience(self, experience, initial_step_state, final_step_state, trajectory):
+    def update_experience(self, experience, initial_step_state, final_step_state, trajectory,
+                          nets):
         i = experience.size
 
         def put(buf, x):
