@@ -103,10 +103,10 @@ class Checkpointer:
         local_experience: PyTree | None = None,
     ) -> None:
         """Writes checkpoint `step` (blocking, so a crash right after loses nothing)."""
-        items = {"nets": ocp.args.StandardSave(_to_savable(nets)),
-                 "opt": ocp.args.StandardSave(_to_savable(opt))}
-        if local_experience is not None:
-            items["experience"] = ocp.args.StandardSave(_to_savable(local_experience))
+        trees = {"nets": nets, "opt": opt, "experience": local_experience}
+        # Orbax refuses empty trees (an optimizer state of ()); they need no saving.
+        items = {name: ocp.args.StandardSave(_to_savable(tree))
+                 for name, tree in trees.items() if tree is not None and jax.tree.leaves(tree)}
         meta = {
             **metadata,
             "counters": {k: int(v) for k, v in counters.items()},
@@ -153,21 +153,20 @@ class Checkpointer:
                     for k in differ[:5]
                 )
             )
-        items = {"nets": ocp.args.StandardRestore(_to_savable(nets))}
-        if opt is not None:
-            items["opt"] = ocp.args.StandardRestore(_to_savable(opt))
-        # Experience is its own item: a run that does not want it does not read it.
+        # Each part is its own item: a run that does not want one (evaluation needs no
+        # optimizer, a run may start with empty experience) does not read it.
         with_experience = meta["has_experience"] and local_experience is not None
-        if with_experience:
-            items["experience"] = ocp.args.StandardRestore(_to_savable(local_experience))
+        wanted = {"nets": nets, "opt": opt,
+                  "experience": local_experience if with_experience else None}
+        wanted = {k: v for k, v in wanted.items() if v is not None}
+        items = {k: ocp.args.StandardRestore(_to_savable(v))
+                 for k, v in wanted.items() if jax.tree.leaves(v)}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        out = {k: _from_saved(restored[k], v) if k in items else v for k, v in wanted.items()}
         return Restored(
-            nets=_from_saved(restored["nets"], nets),
-            opt=_from_saved(restored["opt"], opt) if opt is not None else None,
-            local_experience=(
-                _from_saved(restored["experience"], local_experience)
-                if with_experience else None
-            ),
+            nets=out["nets"],
+            opt=out.get("opt"),
+            local_experience=out.get("experience"),
             counters=dict(meta["counters"]),
             metadata=meta,
         )

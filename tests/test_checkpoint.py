@@ -1,0 +1,127 @@
+"""Checkpoints on disk: resume matches an uninterrupted run; mismatches are refused."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sebulba
+from sebulba.checkpoint import Checkpointer
+from tests.counting_agent import CountingAgent
+from tests.envs import CountingEnv
+
+COUNTING = functools.partial(CountingEnv, 5)
+STEPS_PER_UPDATE = 4 * 3  # envs_per_group x steps_per_cycle
+
+
+class AdamCounting(CountingAgent):
+    """Its update ignores the data, so the learner state after K updates is reproducible
+    whatever the order in which trajectories arrive; Adam's state makes it depend on the
+    optimizer state being restored too."""
+
+    optimizer = optax.adam(0.05)
+
+    def new_networks(self, key):
+        return {"w": jnp.ones(()), "v": jnp.full((3,), 2.0)}
+
+    def _new_opt_state(self, nets, key):
+        return self.optimizer.init(nets)
+
+    def loss(self, nets, opt, experience):
+        loss = jnp.square(nets["w"] - 3.0) + jnp.sum(jnp.square(nets["v"]))
+        return loss, (experience, {})
+
+    def optimize_from_grads(self, nets, opt, grads):
+        updates, opt = self.optimizer.update(grads, opt, nets)
+        return optax.apply_updates(nets, updates), opt
+
+
+def make_loop(agent_cls=AdamCounting, learner_devices=(0,)):
+    cfg = sebulba.Config(env=COUNTING, envs_per_group=4, steps_per_cycle=3, async_factor=2,
+                         learner_devices=list(learner_devices))
+    return sebulba.Sebulba(agent_cls(sebulba.env_spec(COUNTING)), cfg)
+
+
+def save_at_end(checkpointer, with_experience=False):
+    def on_update(info):
+        nets, opt, experience = info.learner_state()
+        checkpointer.save(info.version, nets=nets, opt=opt, metadata={"agent": "counting"},
+                          counters={"consumed": info.accounting.consumed},
+                          local_experience=experience if with_experience else None)
+    return on_update
+
+
+@pytest.mark.timeout(120)
+def test_resumed_run_matches_uninterrupted_run(tmp_path, no_leftovers):
+    updates = 12
+    whole = make_loop().run(updates * STEPS_PER_UPDATE)
+
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=2)
+    first = make_loop().run(updates // 2 * STEPS_PER_UPDATE,
+                            on_update=save_at_end(checkpointer))
+    assert checkpointer.all_steps() == [updates // 2 - 1, updates // 2]  # kept the last 2
+
+    loop = make_loop()  # a fresh loop, as after a restart
+    fresh = loop.initial_state()
+    restored = checkpointer.restore(nets=fresh.nets, opt=fresh.opt,
+                                    metadata={"agent": "counting"})
+    assert restored.counters == {"consumed": updates // 2 * STEPS_PER_UPDATE}
+    second = loop.run(updates // 2 * STEPS_PER_UPDATE,
+                      fresh._replace(nets=restored.nets, opt=restored.opt))
+
+    assert first.consumed + second.consumed == whole.consumed
+    assert first.learner_updates + second.learner_updates == whole.learner_updates
+    for a, b in zip(jax.tree.leaves(second.state.nets), jax.tree.leaves(whole.state.nets),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(second.state.opt), jax.tree.leaves(whole.state.opt),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Resuming the networks without their optimizer state would not reproduce it.
+    third = make_loop().run(updates // 2 * STEPS_PER_UPDATE, fresh._replace(nets=restored.nets))
+    assert not np.array_equal(third.state.nets["w"], whole.state.nets["w"])
+    checkpointer.close()
+
+
+@pytest.mark.timeout(120)
+def test_experience_of_every_learner_device_is_restored(tmp_path, no_leftovers):
+    checkpointer = Checkpointer(str(tmp_path))
+    first = make_loop(CountingAgent, learner_devices=(0, 1)).run(
+        5 * STEPS_PER_UPDATE, on_update=save_at_end(checkpointer, with_experience=True))
+    loop = make_loop(CountingAgent, learner_devices=(0, 1))
+    fresh = loop.initial_state()
+    like = jax.tree.map(lambda x: jnp.stack([x, x]), fresh.experience)
+    restored = checkpointer.restore(nets=fresh.nets, opt=fresh.opt,
+                                    metadata={"agent": "counting"}, local_experience=like)
+    saved_log = jax.tree.map(np.asarray, first.learner_experience)
+    for a, b in zip(jax.tree.leaves(restored.local_experience), jax.tree.leaves(saved_log),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    second = loop.run(3 * STEPS_PER_UPDATE, fresh._replace(nets=restored.nets),
+                      local_experience=restored.local_experience)
+    log = jax.tree.map(np.asarray, second.learner_experience)
+    np.testing.assert_array_equal(log.size, [5 + 3, 5 + 3])  # each device kept its log
+    np.testing.assert_array_equal(log.obs[:, :5], saved_log.obs[:, :5])
+    checkpointer.close()
+
+
+def test_checkpoint_of_another_agent_or_shape_is_refused(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path))
+    nets = {"w": jnp.ones((2, 3))}
+    checkpointer.save(1, nets=nets, opt=(), counters={"consumed": 10},
+                      metadata={"agent": "ppo"})
+    with pytest.raises(ValueError, match="written by agent 'ppo'; this run's agent is 'spg'"):
+        checkpointer.restore(nets=nets, opt=(), metadata={"agent": "spg"})
+    with pytest.raises(ValueError, match=r"networks of another shape.*float32\[2, 3\].*"
+                                         r"float32\[2, 4\]"):
+        checkpointer.restore(nets={"w": jnp.ones((2, 4))}, opt=(), metadata={"agent": "ppo"})
+    with pytest.raises(FileNotFoundError, match="no checkpoint 7"):
+        checkpointer.restore(nets=nets, opt=(), metadata={"agent": "ppo"}, step=7)
+    restored = checkpointer.restore(nets=nets, opt=(), metadata={"agent": "ppo"})
+    np.testing.assert_array_equal(restored.nets["w"], np.ones((2, 3)))
+    checkpointer.close()
