@@ -1,0 +1,87 @@
+"""The absl launcher and evaluation, run as a user runs them: as commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--num_envs=8", "--steps_per_cycle=8", "--progress=false", "--log_every_seconds=0"]
+
+
+def run(module: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["SDL_VIDEODRIVER"] = "dummy"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.timeout(400)
+def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
+    logdir = str(tmp_path / "run")
+    first = run("examples.train", f"--logdir={logdir}", "--total_env_steps=4000",
+                "--checkpoint_every_steps=1000", "--keep_checkpoints=2", *SMALL)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "env steps" in first.stdout and "policy lag" in first.stdout  # the summary
+    done = last_json(first.stdout)["total_consumed"]
+    assert done >= 4000
+    checkpoints = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")))
+    assert len(checkpoints) == 2 and checkpoints[-1] == done
+    rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
+    assert rows and rows[-1]["step"] <= done and "learner/loss" in rows[-1]
+    assert [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents")]
+
+    second = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=6000",
+                 "--checkpoint_every_steps=1000", *SMALL)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {logdir}/checkpoints at {done:,} env steps" in second.stdout
+    total = last_json(second.stdout)["total_consumed"]
+    assert 6000 <= total < 6000 + 8 * 8 * 2
+    assert last_json(second.stdout)["consumed"] == total - done
+
+    third = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=6000",
+                *SMALL)
+    assert third.returncode == 0 and "nothing to do" in third.stdout
+
+    video = str(tmp_path / "video")
+    evaluation = run("examples.evaluate", f"--checkpoint={logdir}", "--episodes=6",
+                     "--sampled", f"--video_dir={video}")
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    report = last_json(evaluation.stdout)
+    assert report["episodes"] == 6 and report["checkpoint_env_steps"] == total
+    assert report["min_return"] <= report["mean_return"] <= report["max_return"]
+    assert [f for f in os.listdir(video) if f.endswith(".mp4")]
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--num_envs=0", "envs_per_group must be an int >= 1, got 0"),
+    ("--learner_devices=3", "learner_devices has device index 3, but this process has 1"),
+    ("--spg_hidden_sizes=64,x", "--spg_hidden_sizes must be comma-separated ints"),
+    ("--total_env_steps=0", "--total_env_steps must be >= 1, got 0"),
+    ("--agent=nope", "value should be one of"),
+])
+@pytest.mark.timeout(60)
+def test_bad_flag_is_a_clear_error_before_anything_starts(flag, message):
+    result = run("examples.train", flag)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "env steps" not in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_helpfull_documents_agent_flags_and_flagfile_works(tmp_path):
+    help_text = run("examples.train", "--helpfull").stdout
+    assert "agents.spg:" in help_text
+    assert "--spg_learning_rate: SPG: " in help_text
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text("--num_envs=0\n")
+    result = run("examples.train", f"--flagfile={flagfile}")
+    assert result.returncode != 0 and "got 0" in result.stderr
