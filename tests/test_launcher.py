@@ -35,7 +35,8 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     assert done >= 4000
     checkpoints = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")))
     assert len(checkpoints) == 2 and checkpoints[-1] == done
-    rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
+    with open(os.path.join(logdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
     assert rows and rows[-1]["step"] <= done and "learner/loss" in rows[-1]
     assert [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents")]
 

@@ -20,7 +20,8 @@ def read_tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     """Parses TFRecord-framed Event protos (length, crc, data, crc) from the event files."""
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in glob.glob(f"{logdir}/events.out.tfevents.*"):
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+            data = f.read()
         offset = 0
         while offset < len(data):
             (length,) = struct.unpack("<Q", data[offset:offset + 8])
@@ -36,7 +37,7 @@ def test_writers_record_every_scalar(tmp_path):
     writer.write(10, {"a": 1.5, "b": float("nan")})
     writer.write(20, {"a": 2.5})
     writer.close()
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["a"]) for r in rows] == [(10, 1.5), (20, 2.5)]
     assert rows[0]["b"] is None  # NaN is written as null, keeping the file valid JSON
     assert read_tensorboard_scalars(tmp_path)["a"] == [(10, 1.5), (20, 2.5)]
@@ -51,7 +52,7 @@ def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
                         progress=True, step_offset=1000)
     loop.run(30 * 12, on_update=reporter)
     reporter.close()
-    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len(rows) == 30
     assert [r["step"] for r in rows] == [1000 + 12 * (i + 1) for i in range(30)]
     assert [r["learner/version"] for r in rows] == list(range(1, 31))
