@@ -49,8 +49,22 @@ def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
         raise ValueError(f"unsupported action space {action_space!r}: Discrete must start at 0")
 
 
+def register_env_family(env_id: str) -> None:
+    """Registers the envs an id needs that gymnasium does not ship (Atari: ale-py)."""
+    if env_id.startswith("ALE/"):
+        try:
+            import ale_py
+        except ImportError:
+            raise ImportError(
+                f"env {env_id!r} needs ale-py: pip install 'sebulba[atari]'"
+            ) from None
+        gym.register_envs(ale_py)
+
+
 def env_spec(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None) -> EnvSpec:
     """Makes one env to read its spaces, then closes it."""
+    if isinstance(env, str):
+        register_env_family(env)
     single = gym.make(env, **(env_kwargs or {})) if isinstance(env, str) else env()
     try:
         check_spaces(single.observation_space, single.action_space)
@@ -74,6 +88,7 @@ def make_vector_env(
     kwargs = dict(env_kwargs or {})
     next_step = gym.vector.AutoresetMode.NEXT_STEP
     if isinstance(env, str):
+        register_env_family(env)
         vector_kwargs: dict[str, Any] = {}
         if vectorization != "vector_entry_point":
             vector_kwargs["autoreset_mode"] = next_step

@@ -86,3 +86,12 @@ def test_helpfull_documents_agent_flags_and_flagfile_works(tmp_path):
     flagfile.write_text("--num_envs=0\n")
     result = run("examples.train", f"--flagfile={flagfile}")
     assert result.returncode != 0 and "got 0" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_atari_ids_train_through_ale_py():
+    result = run("examples.train", "--env=ALE/Pong-v5", "--num_envs=2", "--steps_per_cycle=4",
+                 "--async_factor=1", "--total_env_steps=24", "--spg_hidden_sizes=16",
+                 "--progress=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert last_json(result.stdout)["consumed"] >= 24
