@@ -36,13 +36,13 @@ _VECTORIZATION = flags.DEFINE_enum(
     "sync: envs step in the inferencer thread; async: one subprocess per env.")
 _ASYNC_FACTOR = flags.DEFINE_integer(
     "async_factor", 2, "Env groups per inference device (2 = double buffering).")
-_STEPS_PER_CYCLE = flags.DEFINE_integer("steps_per_cycle", 16, "Env steps per inference cycle.")
+_STEPS_PER_CYCLE = flags.DEFINE_integer("steps_per_cycle", 64, "Env steps per inference cycle.")
 _INFERENCE_DEVICES = flags.DEFINE_list(
     "inference_devices", ["0"], "Local device indices that run inference.")
 _LEARNER_DEVICES = flags.DEFINE_list(
     "learner_devices", ["0"], "Local device indices the learner spans.")
 _TOTAL_ENV_STEPS = flags.DEFINE_integer(
-    "total_env_steps", 300_000, "Env steps (all envs, all processes) to learn from.")
+    "total_env_steps", 400_000, "Env steps (all envs, all processes) to learn from.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds networks, agent state and envs.")
 _LOGDIR = flags.DEFINE_string(
     "logdir", None, "Where metrics (TensorBoard events, metrics.jsonl) and checkpoints go.")

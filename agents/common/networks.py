@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 
 class MLP(nn.Module):
-    """ReLU layers of `hidden_sizes`; the last layer has no activation if `activate_final` is False."""
+    """ReLU layers of `hidden_sizes`; no activation on the last if `activate_final` is False."""
 
     hidden_sizes: Sequence[int]
     activate_final: bool = True
@@ -39,4 +39,39 @@ class PolicyValueMLP(nn.Module):
         x = MLP(self.hidden_sizes)(x.astype(jnp.float32))
         logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
+        return logits, value[..., 0]
+
+
+class TanhMLP(nn.Module):
+    """tanh layers of `hidden_sizes` with orthogonal sqrt(2) init (CleanRL's hidden layers)."""
+
+    hidden_sizes: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for size in self.hidden_sizes:
+            x = nn.tanh(nn.Dense(size, kernel_init=nn.initializers.orthogonal(jnp.sqrt(2.0)))(x))
+        return x
+
+
+class SeparatePolicyValueMLP(nn.Module):
+    """Separate tanh MLPs for the policy and the value (CleanRL's actor and critic).
+
+    Maps flat observations [..., D] to (logits [..., num_actions], value [...]). Separate
+    torsos keep the value loss, much larger than the policy's on CartPole-v1, from
+    reshaping the policy's features. Output init: a near-uniform initial policy (gain
+    0.01 on the logits) and unit-scale values.
+    """
+
+    num_actions: int
+    hidden_sizes: Sequence[int] = (64, 64)
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = obs.astype(jnp.float32)
+        policy = TanhMLP(self.hidden_sizes, name="policy_torso")(x)
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01),
+                          name="policy_head")(policy)
+        value = TanhMLP(self.hidden_sizes, name="value_torso")(x)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value_head")(value)
         return logits, value[..., 0]

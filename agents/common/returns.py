@@ -55,3 +55,46 @@ def bootstrapped_returns(
         backward, end_value[-1], (reward[1:], last[:-1], end_value[:-1]), reverse=True
     )
     return returns
+
+
+def gae_advantages(
+    reward: jax.Array,
+    value: jax.Array,
+    terminated: jax.Array,
+    truncated: jax.Array,
+    discount: float,
+    lambda_: float,
+) -> jax.Array:
+    """Generalized advantage estimates, GAE(lambda) (Schulman et al., 2016).
+
+    delta_t = r_{t+1} + discount * v_{t+1} - value_t, where v_{t+1} is 0 if step t + 1
+    terminated and value_{t+1} otherwise (a truncated step is bootstrapped from);
+    A_t = delta_t + discount * lambda_ * A_{t+1}, with A = 0 at the last step of an
+    episode (its action was ignored: nothing flows back from the next episode) and
+    A_T = 0 (the trajectory's end bootstraps from value_T through delta_{T-1}).
+    With lambda_ = 1, A_t = bootstrapped_returns(...)_t - value_t where `action_mask` is 1.
+
+    Args:
+      reward: [T + 1] float, reward[t] follows the action at t - 1.
+      value: [T + 1] float, state values (treated as constants).
+      terminated, truncated: [T + 1] bool.
+      discount: scalar in [0, 1].
+      lambda_: scalar in [0, 1]; 0 gives one-step TD errors, 1 Monte Carlo advantages.
+    Returns:
+      [T] advantages for t = 0..T-1, 0 where `action_mask` is 0. Trailing batch axes
+      (leaves [T + 1, B]) are carried through.
+    """
+    value = jax.lax.stop_gradient(value)
+    next_value = jnp.where(terminated[1:], 0.0, value[1:])
+    delta = reward[1:] + discount * next_value - value[:-1]
+    last = terminated[:-1] | truncated[:-1]
+
+    def backward(a_next, xs):
+        delta_t, last_t = xs
+        a = jnp.where(last_t, 0.0, delta_t + discount * lambda_ * a_next)
+        return a, a
+
+    _, advantages = jax.lax.scan(
+        backward, jnp.zeros_like(delta[-1]), (delta, last), reverse=True
+    )
+    return advantages
