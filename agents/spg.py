@@ -85,6 +85,12 @@ class SPG(sebulba.Agent):
         action = jax.vmap(jax.random.categorical)(keys[:, 0], logits)
         return sebulba.ActorOutput(action=action), SPGStepState(key=keys[:, 1])
 
+    def greedy_step(
+        self, step_state: SPGStepState, nets: Nets, env_step: EnvStep
+    ) -> tuple[sebulba.ActorOutput, SPGStepState]:
+        logits, _ = self.network.apply(nets, env_step.obs)
+        return sebulba.ActorOutput(action=jnp.argmax(logits, axis=-1)), step_state
+
     def update_experience(
         self,
         experience: Trajectory,
