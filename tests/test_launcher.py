@@ -60,6 +60,10 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     assert report["episodes"] == 6 and report["checkpoint_env_steps"] == total
     assert report["min_return"] <= report["mean_return"] <= report["max_return"]
     assert [f for f in os.listdir(video) if f.endswith(".mp4")]
+    greedy = run("examples.evaluate", f"--checkpoint={logdir}", "--episodes=3")
+    assert greedy.returncode == 0, greedy.stderr[-3000:]
+    assert last_json(greedy.stdout)["greedy"] is True
+    assert last_json(greedy.stdout)["episodes"] == 3
 
 
 @pytest.mark.parametrize("flag,message", [
