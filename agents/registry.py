@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import sebulba
+from agents.ppo import PPO, PPOConfig
 from agents.spg import SPG, SPGConfig
 
 
@@ -23,5 +24,6 @@ class AgentEntry:
 
 
 AGENTS: dict[str, AgentEntry] = {
+    "ppo": AgentEntry(PPOConfig, PPO),
     "spg": AgentEntry(SPGConfig, SPG),
 }

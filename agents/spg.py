@@ -49,15 +49,16 @@ class SPGStepState(NamedTuple):
 
 
 class SPG(sebulba.Agent):
-    """REINFORCE with a baseline for Discrete action spaces and flat observations."""
+    """REINFORCE with a baseline for Discrete action spaces; observations are flattened."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: SPGConfig = SPGConfig()):
         super().__init__(env_spec)
         self.config = config
         # Separate tanh MLPs for policy and baseline. On CartPole-v1 one shared ReLU torso
-        # (common.networks.PolicyValueMLP) learned slowly and often collapsed to a
+        # with policy and value heads learned slowly and often collapsed to a
         # deterministic policy (returns ~10); separate ReLU MLPs swung between ~400 and ~50.
-        self.network = SeparatePolicyValueMLP(env_spec.num_actions, tuple(config.hidden_sizes))
+        self.network = SeparatePolicyValueMLP(
+            env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=len(env_spec.obs_shape))
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
         )

@@ -9,6 +9,12 @@ import jax
 import jax.numpy as jnp
 
 
+def flatten_trailing(x: jax.Array, rank: int) -> jax.Array:
+    """[..., *shape] with len(shape) == rank -> [..., prod(shape)] (images into vectors)."""
+    batch_shape = x.shape[: x.ndim - rank]
+    return x.reshape(batch_shape + (-1,))
+
+
 class MLP(nn.Module):
     """ReLU layers of `hidden_sizes`; no activation on the last if `activate_final` is False."""
 
@@ -22,24 +28,6 @@ class MLP(nn.Module):
             if self.activate_final or i < len(self.hidden_sizes) - 1:
                 x = nn.relu(x)
         return x
-
-
-class PolicyValueMLP(nn.Module):
-    """An MLP torso with a softmax-policy head and a value head.
-
-    Maps observations [..., *obs_shape] to (logits [..., num_actions], value [...]).
-    """
-
-    num_actions: int
-    hidden_sizes: Sequence[int] = (64, 64)
-
-    @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = obs.reshape(obs.shape[: obs.ndim - 1] + (-1,)) if obs.ndim > 1 else obs
-        x = MLP(self.hidden_sizes)(x.astype(jnp.float32))
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
-        return logits, value[..., 0]
 
 
 class TanhMLP(nn.Module):
@@ -57,7 +45,8 @@ class TanhMLP(nn.Module):
 class SeparatePolicyValueMLP(nn.Module):
     """Separate tanh MLPs for the policy and the value (CleanRL's actor and critic).
 
-    Maps flat observations [..., D] to (logits [..., num_actions], value [...]). Separate
+    Maps observations [..., *obs_shape] with len(obs_shape) == obs_rank to (logits
+    [..., num_actions], value [...]); the obs_rank trailing dims are flattened. Separate
     torsos keep the value loss, much larger than the policy's on CartPole-v1, from
     reshaping the policy's features. Output init: a near-uniform initial policy (gain
     0.01 on the logits) and unit-scale values.
@@ -65,10 +54,11 @@ class SeparatePolicyValueMLP(nn.Module):
 
     num_actions: int
     hidden_sizes: Sequence[int] = (64, 64)
+    obs_rank: int = 1
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = obs.astype(jnp.float32)
+        x = flatten_trailing(obs, self.obs_rank).astype(jnp.float32)
         policy = TanhMLP(self.hidden_sizes, name="policy_torso")(x)
         logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01),
                           name="policy_head")(policy)
