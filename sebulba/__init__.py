@@ -1,5 +1,6 @@
 """sebulba: the Sebulba actor-learner architecture (Podracers) for JAX and Gymnasium."""
 
+from sebulba import memory_envs  # noqa: F401  (registers the sebulba/ env ids)
 from sebulba.accounting import RunResult
 from sebulba.agent import Agent, Layout, combine_partitions, zeros_trajectory
 from sebulba.config import Config
