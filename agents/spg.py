@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common.networks import SeparatePolicyValueMLP
+from agents.common.networks import policy_value_network
 from agents.common.returns import action_mask, bootstrapped_returns
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
 
@@ -57,8 +57,8 @@ class SPG(sebulba.Agent):
         # Separate tanh MLPs for policy and baseline. On CartPole-v1 one shared ReLU torso
         # with policy and value heads learned slowly and often collapsed to a
         # deterministic policy (returns ~10); separate ReLU MLPs swung between ~400 and ~50.
-        self.network = SeparatePolicyValueMLP(
-            env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=len(env_spec.obs_shape))
+        self.network = policy_value_network(
+            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
         )

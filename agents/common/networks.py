@@ -65,3 +65,47 @@ class SeparatePolicyValueMLP(nn.Module):
         value = TanhMLP(self.hidden_sizes, name="value_torso")(x)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value_head")(value)
         return logits, value[..., 0]
+
+
+class NatureCNN(nn.Module):
+    """The DQN Nature torso (Mnih et al., 2015): three convolutions and a 512-unit layer.
+
+    Maps stacked frames [..., C, H, W] (uint8 0-255, channels first as ale-py's
+    AtariVectorEnv emits them: C = 4 frames of 84 x 84) to features [..., 512].
+    """
+
+    @nn.compact
+    def __call__(self, frames: jax.Array) -> jax.Array:
+        batch_shape = frames.shape[:-3]
+        x = frames.reshape((-1,) + frames.shape[-3:]).astype(jnp.float32) / 255.0
+        x = jnp.transpose(x, (0, 2, 3, 1))  # to channels last, as nn.Conv expects
+        init = nn.initializers.orthogonal(jnp.sqrt(2.0))
+        for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
+            x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride), padding="VALID",
+                                kernel_init=init)(x))
+        x = nn.relu(nn.Dense(512, kernel_init=init)(x.reshape(x.shape[0], -1)))
+        return x.reshape(batch_shape + (512,))
+
+
+class CNNPolicyValue(nn.Module):
+    """NatureCNN torso shared by a policy head and a value head (pixels are expensive to
+    encode twice). Maps frames [..., C, H, W] to (logits [..., num_actions], value [...])."""
+
+    num_actions: int
+
+    @nn.compact
+    def __call__(self, frames: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = NatureCNN()(frames)
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
+        return logits, value[..., 0]
+
+
+def policy_value_network(
+    num_actions: int, obs_shape: Sequence[int], hidden_sizes: Sequence[int]
+) -> nn.Module:
+    """The feed-forward policy/value network for an observation shape: NatureCNN for
+    stacked frames [C, H, W], separate tanh MLPs for anything else (flattened)."""
+    if len(obs_shape) == 3:
+        return CNNPolicyValue(num_actions)
+    return SeparatePolicyValueMLP(num_actions, tuple(hidden_sizes), obs_rank=len(obs_shape))
