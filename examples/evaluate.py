@@ -33,6 +33,11 @@ def checkpoint_dir(path: str) -> str:
     return nested if os.path.isdir(nested) else path
 
 
+def eval_vectorization(meta: dict) -> str:
+    """Evaluation steps envs in-process; only an id's own vector env changes the spaces."""
+    return "vector_entry_point" if meta.get("vectorization") == "vector_entry_point" else "sync"
+
+
 def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, object, dict]:
     """(agent, nets, metadata) from a checkpoint written by examples.train."""
     checkpointer = Checkpointer(checkpoint_dir(path))
@@ -43,7 +48,8 @@ def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, obje
             raise ValueError(f"checkpoint agent {meta['agent']!r} is not one of {sorted(AGENTS)}")
         config = entry.config_class(**{
             k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
-        agent = entry.build(sebulba.env_spec(meta["env"], meta["env_kwargs"]), config)
+        agent = entry.build(
+            sebulba.env_spec(meta["env"], meta["env_kwargs"], eval_vectorization(meta)), config)
         like = agent.new_networks(jax.random.key(0))
         restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)
     finally:
@@ -55,9 +61,14 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
+    if _VIDEO_DIR.value and eval_vectorization(meta) == "vector_entry_point":
+        raise app.UsageError(
+            f"--video_dir: env {meta['env']!r} was trained through its own vector env "
+            "(vectorization=vector_entry_point), which preprocesses frames and does not render")
     greedy = not _SAMPLED.value
     result = evaluate(agent, nets, meta["env"], _EPISODES.value, greedy=greedy,
-                      num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=meta["env_kwargs"])
+                      num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=meta["env_kwargs"],
+                      vectorization=eval_vectorization(meta))
     report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
               **result.as_dict()}
     if _VIDEO_DIR.value:

@@ -74,15 +74,16 @@ def _indices(name: str, values: list[str]) -> list[int]:
 
 
 def build(agent_name: str, agent_config, config: sebulba.Config) -> sebulba.Sebulba:
-    agent = AGENTS[agent_name].build(sebulba.env_spec(config.env, config.env_kwargs),
-                                     agent_config)
+    spec = sebulba.env_spec(config.env, config.env_kwargs, config.vectorization)
+    agent = AGENTS[agent_name].build(spec, agent_config)
     return sebulba.Sebulba(agent, config)
 
 
 def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
     """What a checkpoint records to rebuild (and check) the agent and its env."""
     return {"agent": agent_name, "agent_config": dataclasses.asdict(agent_config),
-            "env": config.env, "env_kwargs": dict(config.env_kwargs)}
+            "env": config.env, "env_kwargs": dict(config.env_kwargs),
+            "vectorization": config.vectorization}
 
 
 def main(argv: list[str]) -> None:

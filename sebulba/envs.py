@@ -61,10 +61,25 @@ def register_env_family(env_id: str) -> None:
         gym.register_envs(ale_py)
 
 
-def env_spec(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None) -> EnvSpec:
-    """Makes one env to read its spaces, then closes it."""
+def env_spec(
+    env: str | EnvFactory,
+    env_kwargs: Mapping[str, Any] | None = None,
+    vectorization: str = "sync",
+) -> EnvSpec:
+    """Makes one env to read its spaces, then closes it.
+
+    With "vector_entry_point" the spaces are those of the id's own vector env, which may
+    preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
+    """
     if isinstance(env, str):
         register_env_family(env)
+    if isinstance(env, str) and vectorization == "vector_entry_point":
+        vec = gym.make_vec(env, 1, "vector_entry_point", **(env_kwargs or {}))
+        try:
+            check_spaces(vec.single_observation_space, vec.single_action_space)
+            return EnvSpec(vec.single_observation_space, vec.single_action_space)
+        finally:
+            vec.close()
     single = gym.make(env, **(env_kwargs or {})) if isinstance(env, str) else env()
     try:
         check_spaces(single.observation_space, single.action_space)

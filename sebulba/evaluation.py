@@ -38,15 +38,18 @@ def evaluate(
     seed: int = 0,
     env_kwargs: Mapping[str, Any] | None = None,
     max_env_steps: int = 10_000_000,
+    vectorization: str = "sync",
 ) -> EvaluationResult:
     """Runs `agent` (greedy or sampled) until `num_episodes` episodes have ended.
 
     The first `num_episodes` episodes to end are reported, whichever env they ran in.
+    `vectorization` is "sync" or, for ids whose own vector env preprocesses (Atari),
+    "vector_entry_point".
     """
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     act = jax.jit(agent.greedy_step if greedy else agent.step)
-    vec = make_vector_env(env, num_envs, "sync", env_kwargs)
+    vec = make_vector_env(env, num_envs, vectorization, env_kwargs)
     try:
         stepper = HostEnvStepper(vec)
         env_step = stepper.reset(seed=seed)

@@ -78,7 +78,7 @@ class Sebulba:
         self.local_learner_devices = config.resolved_local_learner_devices()
         self.learner_devices = config.resolved_global_learner_devices()  # the learner mesh
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
-        spec = env_spec(config.env, config.env_kwargs)
+        spec = env_spec(config.env, config.env_kwargs, config.vectorization)
         if agent.env_spec != spec:
             raise ValueError(
                 f"the agent was built for {agent.env_spec}, but env {config.env!r} has {spec}"

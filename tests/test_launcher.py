@@ -93,8 +93,12 @@ def test_helpfull_documents_agent_flags_and_flagfile_works(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_atari_ids_train_through_ale_py():
-    result = run("examples.train", "--env=ALE/Pong-v5", "--num_envs=2", "--steps_per_cycle=4",
+@pytest.mark.parametrize("vectorization", ["sync", "vector_entry_point"])
+def test_atari_ids_train_through_ale_py(vectorization):
+    # sync: raw RGB frames through an MLP; vector_entry_point: ale-py's AtariVectorEnv,
+    # 84 x 84 grayscale stacks of 4 through the Nature CNN.
+    result = run("examples.train", "--env=ALE/Pong-v5", f"--vectorization={vectorization}",
+                 "--num_envs=2", "--steps_per_cycle=4",
                  "--async_factor=1", "--total_env_steps=24", "--spg_hidden_sizes=16",
                  "--progress=false")
     assert result.returncode == 0, result.stderr[-3000:]
