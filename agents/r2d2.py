@@ -1,0 +1,567 @@
+"""R2D2: recurrent experience replay in distributed RL (Kapturowski et al., 2019).
+
+An LSTM Q-network learns from prioritized replay of fixed-length sequences, starting
+each sequence from the recurrent state the actor had there, warmed up by a burn-in
+prefix, with n-step double Q-learning on rescaled values and a periodically copied
+target network. Read top to bottom: config, networks, state, acting, experience,
+loss, optimizer.
+
+How it fits the Sebulba loop:
+
+- Sequences come from whole inference cycles. `steps_per_cycle` (T) must equal the
+  sequence period, `sequence_length - sequence_overlap` (40 with the defaults 80 and
+  40), and divide `sequence_length` (L); anything else is an error when the state is
+  built, naming both numbers. A trajectory's `initial_step_state` then holds exactly
+  the actor's LSTM state at a sequence start. The experience keeps, per env, the last
+  L - T env steps and the K - 1 start states (K = L / T) of its previous trajectories;
+  those plus the current trajectory make one L-step sequence (L + 1 env steps with the
+  bootstrap step), inserted once the env has sent K trajectories. Each env step is
+  thus in K sequences, and learnt from in those where it is past the burn-in.
+  (The paper's "80 with a burn-in of 40" can be read as 80 including the burn-in, the
+  defaults here, or 40 + 80: sequence_length=120, sequence_overlap=80, burn_in=40.)
+- The learner receives trajectories without their group. So the StepState carries
+  each env's index in its process (`env_index`) and the experience its slot: env i is
+  row (i % E) % (E / D) of group i // E's trajectories on its learner device (E envs
+  per group, D learner devices), which is how the loop assigns envs to groups and
+  `shard_step_state` splits them.
+- Episode boundaries (NEXT_STEP autoreset): `first` resets the LSTM in acting and in
+  training (the same `ResetLSTM`); the action at an episode's last step was ignored by
+  the env and is masked out of the loss; `terminated` bootstraps 0, `truncated` and the
+  sequence's end bootstrap from the target network.
+- Replay: `sebulba.replay`, one per learner device (the framework keeps one experience
+  per learner device), `replay_capacity` sequences each; new sequences enter at the
+  largest priority seen, priorities are eta max|td| + (1 - eta) mean|td| over the
+  learnt steps and are written back by `loss`, which returns the updated experience.
+  Each learner device samples `batch_size` sequences with its own key.
+- Warm-up: `num_off_policy_optims_per_cycle()` is fixed (`updates_per_trajectory`),
+  so until a device's replay holds `min_replay_size` sequences the loss is an exact
+  zero (and priorities are left alone). `optimize_from_grads` skips an all-zero
+  gradient entirely: Adam's moments and count, the learner step counter and the target
+  copy stay where they were, so the first real update is a first Adam step.
+- Target network: `nets = {"online", "target"}`; `partition_for_grad` keeps the target
+  out of the gradient and `optimize_from_grads` copies online -> target every
+  `target_update_period` learner steps (counted in the optimizer state).
+- Exploration: env i of the N acting envs of the whole run uses eps_i =
+  epsilon_base^(1 + epsilon_alpha i / (N - 1)) (Ape-X). `_new_step_state` sees only its
+  process's envs, so it offsets i by `jax.process_index()` and takes N as its envs
+  times `jax.process_count()` (every process runs the same layout). Evaluation uses
+  `greedy_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as SequenceType
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import sebulba
+from agents.common.networks import MLP, flatten_trailing
+from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
+from agents.common.returns import action_mask
+from agents.common.value_rescaling import rescale, unrescale
+from sebulba import replay as rp
+from sebulba.sharding import LEARNER_AXIS
+from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class R2D2Config:
+    """Hyperparameters; the defaults are the paper's (its network sizes, for vector
+    observations: an MLP torso instead of its conv torso). Tests pass CPU-sized ones.
+
+    Attributes:
+      torso_sizes: ReLU layers applied to the (flattened) observation.
+      lstm_size: LSTM cells; with use_lstm False, the width of a ReLU layer instead.
+      head_sizes: hidden ReLU layers of each dueling head (value and advantage).
+      use_lstm: False swaps the LSTM for a ReLU layer: a feed-forward Q network with
+        everything else unchanged, the baseline that shows what memory buys.
+      sequence_length: steps of a replayed sequence, burn-in included (L).
+      sequence_overlap: steps shared by consecutive sequences of an env;
+        sequence_length - sequence_overlap must equal steps_per_cycle and divide
+        sequence_length.
+      burn_in: leading steps of a sequence that only refresh the LSTM state (no loss,
+        no gradient).
+      n_step: steps of reward before bootstrapping the Q-learning target.
+      discount: per-step discount.
+      value_rescaling: learn h(Q) with h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x.
+      value_rescaling_eps: the eps of h.
+      target_update_period: learner steps between copies of the online network to the
+        target network.
+      learning_rate: Adam step size.
+      adam_eps: Adam's epsilon.
+      max_grad_norm: gradients are clipped to this global norm; 0 turns clipping off.
+      batch_size: sequences each learner device samples per learner step.
+      replay_capacity: sequences each learner device's replay holds.
+      min_replay_size: sequences a learner device's replay must hold before it learns.
+      updates_per_trajectory: learner steps per received trajectory (the replay ratio
+        is updates x batch_size / sequences per trajectory shard).
+      priority_exponent: alpha, sampling probability p^alpha / sum p^alpha.
+      importance_exponent: beta, importance weights (N P(i))^-beta.
+      priority_eta: eta, priority eta max|td| + (1 - eta) mean|td|.
+      epsilon_base: exploration rate of the most exploring env.
+      epsilon_alpha: env i of N explores with epsilon_base^(1 + epsilon_alpha i / (N - 1)).
+    """
+
+    torso_sizes: SequenceType[int] = (512,)
+    lstm_size: int = 512
+    head_sizes: SequenceType[int] = (512,)
+    use_lstm: bool = True
+    sequence_length: int = 80
+    sequence_overlap: int = 40
+    burn_in: int = 40
+    n_step: int = 5
+    discount: float = 0.997
+    value_rescaling: bool = True
+    value_rescaling_eps: float = 1e-3
+    target_update_period: int = 2500
+    learning_rate: float = 1e-4
+    adam_eps: float = 1e-3
+    max_grad_norm: float = 0.0
+    batch_size: int = 64
+    replay_capacity: int = 100_000
+    min_replay_size: int = 5_000
+    updates_per_trajectory: int = 1
+    priority_exponent: float = 0.9
+    importance_exponent: float = 0.6
+    priority_eta: float = 0.9
+    epsilon_base: float = 0.4
+    epsilon_alpha: float = 7.0
+
+    def __post_init__(self):
+        for name in ("lstm_size", "sequence_length", "n_step", "target_update_period",
+                     "batch_size", "replay_capacity", "min_replay_size",
+                     "updates_per_trajectory"):
+            _check_int(name, getattr(self, name), low=1)
+        for name in ("sequence_overlap", "burn_in"):
+            _check_int(name, getattr(self, name), low=0)
+        for name in ("torso_sizes", "head_sizes"):
+            sizes = getattr(self, name)
+            if not all(isinstance(s, int) and s >= 1 for s in sizes):
+                raise ValueError(f"{name} must be ints >= 1, got {sizes!r}")
+        if self.sequence_overlap >= self.sequence_length:
+            raise ValueError(
+                f"sequence_overlap={self.sequence_overlap} must be < sequence_length="
+                f"{self.sequence_length}")
+        if self.sequence_length % self.sequence_period:
+            raise ValueError(
+                f"sequence_length={self.sequence_length} must be a multiple of its period, "
+                f"sequence_length - sequence_overlap = {self.sequence_period}")
+        if self.burn_in >= self.sequence_length:
+            raise ValueError(
+                f"burn_in={self.burn_in} must be < sequence_length={self.sequence_length}: "
+                "some steps must be learnt from")
+        if self.min_replay_size > self.replay_capacity:
+            raise ValueError(
+                f"min_replay_size={self.min_replay_size} must be <= replay_capacity="
+                f"{self.replay_capacity}, or learning never starts")
+        for name in ("discount", "importance_exponent", "priority_eta"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not 0.0 < self.epsilon_base <= 1.0:
+            raise ValueError(f"epsilon_base must be in (0, 1], got {self.epsilon_base!r}")
+        for name in ("priority_exponent", "epsilon_alpha", "value_rescaling_eps",
+                     "max_grad_norm"):
+            if getattr(self, name) < 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("learning_rate", "adam_eps"):
+            if getattr(self, name) <= 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def sequence_period(self) -> int:
+        """Steps between the starts of consecutive sequences of an env (must be T)."""
+        return self.sequence_length - self.sequence_overlap
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+# Networks.
+
+
+class RecurrentQNetwork(nn.Module):
+    """MLP torso, resetting LSTM (or a ReLU layer), dueling Q head.
+
+    Maps (state: LSTMState [B, lstm_size] leaves, obs [B, T, *obs_shape] with
+    len(obs_shape) == obs_rank, first [B, T] bool) to (state after the last step,
+    Q-values [B, T, num_actions]). Acting passes T = 1. The feed-forward variant
+    returns the state unchanged.
+    """
+
+    num_actions: int
+    torso_sizes: SequenceType[int]
+    lstm_size: int
+    head_sizes: SequenceType[int]
+    use_lstm: bool = True
+    obs_rank: int = 1
+
+    @nn.compact
+    def __call__(self, state: LSTMState, obs: jax.Array,
+                 first: jax.Array) -> tuple[LSTMState, jax.Array]:
+        x = flatten_trailing(obs, self.obs_rank).astype(jnp.float32)
+        x = MLP(tuple(self.torso_sizes), name="torso")(x)
+        if self.use_lstm:
+            state, x = ResetLSTM(self.lstm_size, name="core")(state, x, first)
+        else:
+            x = MLP((self.lstm_size,), name="core")(x)
+        value = MLP(tuple(self.head_sizes) + (1,), activate_final=False, name="value")(x)
+        advantage = MLP(tuple(self.head_sizes) + (self.num_actions,), activate_final=False,
+                        name="advantage")(x)
+        advantage = advantage - jnp.mean(advantage, axis=-1, keepdims=True)
+        return state, value + advantage
+
+
+# State.
+
+
+class R2D2StepState(NamedTuple):
+    lstm: LSTMState  # [E, H] leaves: the state before acting on the next env step
+    key: jax.Array  # [E] typed PRNG keys
+    epsilon: jax.Array  # [E] float32 exploration rate of each env
+    env_index: jax.Array  # [E] int32 index of the env in its process (finds its slot)
+
+
+class Sequence(NamedTuple):
+    """One replay item (leaves without batch axis; [C, ...] in the replay)."""
+
+    env_steps: EnvStep  # leaves [L + 1, ...]; entry L is the bootstrap step
+    action: jax.Array  # [L] actions taken at env steps 0..L-1
+    lstm: LSTMState  # [H] leaves: the actor's state before it acted on env step 0
+    env_index: jax.Array  # int32, the env it came from (diagnostics, tests)
+
+
+class PendingSteps(NamedTuple):
+    """Per env slot S, what the next sequence needs from earlier trajectories."""
+
+    env_steps: EnvStep  # leaves [S, L - T, ...]: the last L - T env steps received
+    action: jax.Array  # [S, L - T]
+    lstm: LSTMState  # [S, K - 1, H] leaves: start states of the last K - 1 trajectories
+    received: jax.Array  # [S] int32 trajectories received, capped at K - 1
+
+
+class R2D2Experience(NamedTuple):
+    replay: rp.Replay  # items: Sequence
+    pending: PendingSteps
+    envs_per_group: jax.Array  # int32 scalar, E of the layout (to find an env's slot)
+    key: jax.Array  # typed PRNG key for sampling
+
+
+class R2D2OptState(NamedTuple):
+    adam: PyTree
+    steps: jax.Array  # int32 learner steps applied (warm-up steps excluded)
+
+
+class R2D2(sebulba.Agent):
+    """R2D2 for Discrete action spaces (see the module docstring)."""
+
+    def __init__(self, env_spec: sebulba.EnvSpec, config: R2D2Config = R2D2Config()):
+        super().__init__(env_spec)
+        self.config = config
+        self.network = RecurrentQNetwork(
+            num_actions=env_spec.num_actions,
+            torso_sizes=tuple(config.torso_sizes),
+            lstm_size=config.lstm_size,
+            head_sizes=tuple(config.head_sizes),
+            use_lstm=config.use_lstm,
+            obs_rank=len(env_spec.obs_shape),
+        )
+        optimizer = optax.adam(config.learning_rate, eps=config.adam_eps)
+        if config.max_grad_norm > 0:
+            optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optimizer)
+        self.optimizer = optimizer
+
+    def unroll(self, params: PyTree, lstm: LSTMState, obs: jax.Array,
+               first: jax.Array) -> tuple[LSTMState, jax.Array]:
+        """(state [B, H], obs [B, T, ...], first [B, T]) -> (state, Q [B, T, A])."""
+        return self.network.apply(params, lstm, obs, first)
+
+    def new_networks(self, key: jax.Array) -> Nets:
+        obs = jnp.zeros((1, 1) + self.env_spec.obs_shape, jnp.float32)
+        params = self.network.init(key, initial_lstm_state(1, self.config.lstm_size), obs,
+                                   jnp.ones((1, 1), bool))
+        return {"online": params, "target": jax.tree.map(jnp.copy, params)}
+
+    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> R2D2StepState:
+        cfg = self.config
+        # Every process has num_envs envs; its envs are a slice of the run's N.
+        total = num_envs * jax.process_count()
+        index = jax.process_index() * num_envs + jnp.arange(num_envs)
+        epsilon = cfg.epsilon_base ** (1.0 + cfg.epsilon_alpha * index / max(total - 1, 1))
+        return R2D2StepState(
+            lstm=initial_lstm_state(num_envs, cfg.lstm_size),
+            key=jax.random.split(key, num_envs),
+            epsilon=epsilon.astype(jnp.float32),
+            env_index=jnp.arange(num_envs, dtype=jnp.int32),
+        )
+
+    def _new_opt_state(self, nets: Nets, key: jax.Array) -> R2D2OptState:
+        return R2D2OptState(self.optimizer.init(nets["online"]), jnp.zeros((), jnp.int32))
+
+    def _new_experience_state(self, nets: Nets, key: jax.Array,
+                              layout: sebulba.Layout) -> R2D2Experience:
+        cfg = self.config
+        if layout.steps_per_cycle != cfg.sequence_period:
+            raise ValueError(
+                f"steps_per_cycle={layout.steps_per_cycle} must equal the sequence period "
+                f"sequence_length - sequence_overlap = {cfg.sequence_length} - "
+                f"{cfg.sequence_overlap} = {cfg.sequence_period}: R2D2 builds its sequences "
+                "from whole trajectories, starting from their initial LSTM states")
+        rows = layout.envs_per_learner_shard
+        if rows > cfg.replay_capacity:
+            raise ValueError(
+                f"replay_capacity={cfg.replay_capacity} is smaller than the "
+                f"{rows} sequences one trajectory brings each learner device")
+        L, T = cfg.sequence_length, cfg.sequence_period
+        window, starts = L - T, L // T - 1
+        example = sebulba.zeros_trajectory(self, nets, 1, L)
+        item = Sequence(
+            env_steps=jax.tree.map(lambda x: x[0], example.env_steps),
+            action=example.actor_outputs.action[0],
+            lstm=jax.tree.map(lambda x: x[0], initial_lstm_state(1, cfg.lstm_size)),
+            env_index=jnp.zeros((), jnp.int32),
+        )
+        slots = layout.num_groups * rows
+        pending = PendingSteps(
+            env_steps=jax.tree.map(
+                lambda x: jnp.zeros((slots, window) + x.shape[1:], x.dtype), item.env_steps),
+            action=jnp.zeros((slots, window), item.action.dtype),
+            lstm=jax.tree.map(lambda x: jnp.zeros((slots, starts) + x.shape, x.dtype),
+                              item.lstm),
+            received=jnp.zeros((slots,), jnp.int32),
+        )
+        return R2D2Experience(
+            replay=rp.new_replay(item, cfg.replay_capacity),
+            pending=pending,
+            envs_per_group=jnp.asarray(layout.envs_per_group, jnp.int32),
+            key=key,
+        )
+
+    # Acting.
+
+    def step(self, step_state: R2D2StepState, nets: Nets,
+             env_step: EnvStep) -> tuple[sebulba.ActorOutput, R2D2StepState]:
+        """Epsilon-greedy on Q, with each env's own epsilon."""
+        lstm, q = self._act_q(step_state, nets, env_step)  # q [E, A]
+        keys = jax.vmap(lambda k: jax.random.split(k, 3))(step_state.key)  # [E, 3]
+        explore = jax.vmap(jax.random.uniform)(keys[:, 0]) < step_state.epsilon
+        random_action = jax.vmap(
+            lambda k: jax.random.randint(k, (), 0, q.shape[-1]))(keys[:, 1])
+        action = jnp.where(explore, random_action, jnp.argmax(q, axis=-1))
+        return sebulba.ActorOutput(action), step_state._replace(lstm=lstm, key=keys[:, 2])
+
+    def greedy_step(self, step_state: R2D2StepState, nets: Nets,
+                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, R2D2StepState]:
+        lstm, q = self._act_q(step_state, nets, env_step)
+        return sebulba.ActorOutput(jnp.argmax(q, axis=-1)), step_state._replace(lstm=lstm)
+
+    def _act_q(self, step_state: R2D2StepState, nets: Nets,
+               env_step: EnvStep) -> tuple[LSTMState, jax.Array]:
+        lstm, q = self.unroll(nets["online"], step_state.lstm, env_step.obs[:, None],
+                              env_step.first[:, None])
+        return lstm, q[:, 0]
+
+    # Experience: sequences into the replay.
+
+    def update_experience(
+        self,
+        experience: R2D2Experience,
+        initial_step_state: R2D2StepState,
+        final_step_state: R2D2StepState,
+        trajectory: Trajectory,
+        nets: Nets,
+    ) -> R2D2Experience:
+        """Joins each env's pending steps with this trajectory ([B, T(+1), ...]) into
+        one sequence, inserts it once the env has sent enough, and keeps the new tail."""
+        cfg = self.config
+        L, T = cfg.sequence_length, cfg.sequence_period
+        pending = experience.pending
+        rows = trajectory.actor_outputs.action.shape[0]
+        index = initial_step_state.env_index  # [B]
+        e = experience.envs_per_group
+        slot = (index // e) * rows + (index % e) % rows  # [B]
+
+        def rows_of(x):
+            return x[slot]
+
+        steps = jax.tree.map(lambda old, new: jnp.concatenate([rows_of(old), new], axis=1),
+                             pending.env_steps, trajectory.env_steps)  # [B, L + 1]
+        action = jnp.concatenate(
+            [rows_of(pending.action), trajectory.actor_outputs.action.astype(
+                pending.action.dtype)], axis=1)  # [B, L]
+        starts = jax.tree.map(rows_of, pending.lstm)  # [B, K - 1, H]
+        starts = jax.tree.map(lambda s, x: jnp.concatenate([s, x[:, None]], axis=1),
+                              starts, initial_step_state.lstm)  # [B, K, H]
+        sequences = Sequence(
+            env_steps=steps,
+            action=action,
+            lstm=jax.tree.map(lambda s: s[:, 0], starts),
+            env_index=index,
+        )
+        complete = rows_of(pending.received) >= L // T - 1
+        replay = rp.insert(experience.replay, sequences, complete)
+
+        def write(old, new):
+            return old.at[slot].set(new)
+
+        pending = PendingSteps(
+            env_steps=jax.tree.map(lambda old, s: write(old, s[:, T:L]), pending.env_steps,
+                                   steps),
+            action=write(pending.action, action[:, T:L]),
+            lstm=jax.tree.map(lambda old, s: write(old, s[:, 1:]), pending.lstm, starts),
+            received=write(pending.received,
+                           jnp.minimum(rows_of(pending.received) + 1, L // T - 1)),
+        )
+        return experience._replace(replay=replay, pending=pending)
+
+    def num_off_policy_optims_per_cycle(self) -> int:
+        return self.config.updates_per_trajectory
+
+    # Learning.
+
+    def sequence_losses(self, nets: Nets, sequences: Sequence) -> tuple[jax.Array, jax.Array,
+                                                                       Metrics]:
+        """Per-sequence losses [b] and priorities [b] of sequences with leaves [b, ...].
+
+        The online network runs the burn-in from the stored state under stop_gradient,
+        then the learnt steps; the target network runs the whole sequence. The loss of
+        a sequence is the mean over its learnt, non-ignored steps of td^2 / 2.
+        """
+        cfg = self.config
+        steps, burn = sequences.env_steps, cfg.burn_in
+        online, target = nets["online"], jax.lax.stop_gradient(nets["target"])
+        lstm = sequences.lstm
+        if burn:
+            lstm, _ = self.unroll(online, lstm, steps.obs[:, :burn], steps.first[:, :burn])
+            lstm = jax.lax.stop_gradient(lstm)
+        _, q = self.unroll(online, lstm, steps.obs[:, burn:], steps.first[:, burn:])
+        _, q_target = self.unroll(target, sequences.lstm, steps.obs, steps.first)
+        q_target = q_target[:, burn:]  # [b, M + 1, A], M = L - burn_in learnt steps
+
+        # Double Q: the online network picks the bootstrap action, the target values it.
+        best = jnp.argmax(jax.lax.stop_gradient(q), axis=-1)
+        bootstrap = jnp.take_along_axis(q_target, best[..., None], axis=-1)[..., 0]
+        if cfg.value_rescaling:
+            bootstrap = unrescale(bootstrap, cfg.value_rescaling_eps)
+        tail = jax.tree.map(lambda x: x[:, burn:], steps)
+        returns = jax.vmap(n_step_returns, in_axes=(0, 0, 0, 0, None, None))(
+            tail.reward, bootstrap, tail.terminated, tail.truncated, cfg.discount, cfg.n_step)
+        if cfg.value_rescaling:
+            returns = rescale(returns, cfg.value_rescaling_eps)
+        taken = jnp.take_along_axis(q[:, :-1], sequences.action[:, burn:, None], axis=-1)[..., 0]
+        td = jax.lax.stop_gradient(returns) - taken  # [b, M]
+        mask = jax.vmap(action_mask)(tail.terminated, tail.truncated)  # [b, M]
+        count = jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        losses = 0.5 * jnp.sum(mask * td**2, axis=1) / count
+        abs_td = jax.lax.stop_gradient(jnp.abs(td)) * mask
+        priorities = (cfg.priority_eta * jnp.max(abs_td, axis=1)
+                      + (1.0 - cfg.priority_eta) * jnp.sum(abs_td, axis=1) / count)
+        metrics = {
+            "q_taken": jnp.sum(mask * taken) / jnp.maximum(jnp.sum(mask), 1.0),
+            "abs_td": jnp.sum(abs_td) / jnp.maximum(jnp.sum(mask), 1.0),
+        }
+        return losses, priorities, metrics
+
+    def loss(self, nets: Nets, opt: R2D2OptState,
+             experience: R2D2Experience) -> tuple[jax.Array, tuple[R2D2Experience, Metrics]]:
+        """Importance-weighted loss of a prioritized batch; writes back its priorities.
+
+        An exact zero until the replay holds `min_replay_size` sequences.
+        """
+        cfg = self.config
+        key, sample_key = jax.random.split(experience.key)
+        replay = experience.replay
+        batch = rp.sample(replay, _per_learner_device(sample_key), cfg.batch_size,
+                          cfg.priority_exponent, cfg.importance_exponent)
+        losses, priorities, metrics = self.sequence_losses(nets, batch.items)
+        learning = replay.size >= cfg.min_replay_size
+        loss = jnp.where(learning, jnp.mean(batch.weights * losses), 0.0)
+        priorities = jnp.where(learning, priorities, replay.priorities[batch.indices])
+        replay = rp.update_priorities(replay, batch.indices, priorities)
+        metrics = {
+            **metrics,
+            "learning": learning.astype(jnp.float32),
+            "replay_size": replay.size.astype(jnp.float32),
+            "priority_mean": jnp.mean(priorities),
+            "importance_weight_mean": jnp.mean(batch.weights),
+        }
+        return loss, (experience._replace(replay=replay, key=key), metrics)
+
+    def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets]:
+        """Differentiates the online network only."""
+
+        def none(tree):
+            return jax.tree.map(lambda _: None, tree)
+
+        return ({"online": nets["online"], "target": none(nets["target"])},
+                {"online": none(nets["online"]), "target": nets["target"]})
+
+    def optimize_from_grads(self, nets: Nets, opt: R2D2OptState,
+                            grads: PyTree) -> tuple[Nets, R2D2OptState]:
+        """Adam on the online network, target copy every `target_update_period` steps.
+
+        An all-zero gradient (a warm-up step) changes nothing, not even Adam's count.
+        """
+        grads = grads["online"]
+        learning = jnp.any(jnp.stack([jnp.any(g != 0) for g in jax.tree.leaves(grads)]))
+        updates, adam = self.optimizer.update(grads, opt.adam, nets["online"])
+        online = optax.apply_updates(nets["online"], updates)
+        steps = opt.steps + 1
+        copy = steps % self.config.target_update_period == 0
+        target = jax.tree.map(lambda o, t: jnp.where(copy, o, t), online, nets["target"])
+        new_nets, new_opt = {"online": online, "target": target}, R2D2OptState(adam, steps)
+        return jax.tree.map(lambda new, old: jnp.where(learning, new, old),
+                            (new_nets, new_opt), (nets, opt))
+
+
+def _per_learner_device(key: jax.Array) -> jax.Array:
+    """Folds in the learner device's index, so that devices sample independently.
+
+    The experience (and its key) starts the same on every learner device. Outside the
+    learner's shard_map (a direct call, as in unit tests) the key is used as is.
+    """
+    try:
+        index = jax.lax.axis_index(LEARNER_AXIS)
+    except NameError:
+        return key
+    return jax.random.fold_in(key, index)
+
+
+def n_step_returns(reward: jax.Array, bootstrap: jax.Array, terminated: jax.Array,
+                   truncated: jax.Array, discount: float, n: int) -> jax.Array:
+    """n-step returns of one sequence, stopping at episode ends and the sequence's end.
+
+    G_t = sum_{k<j} discount^k reward[t+k+1] + discount^j v_{t+j}, where j is n or
+    fewer: the first k >= 1 such that step t + k ends the episode (then v is 0 if it
+    terminated and bootstrap[t+k] if truncated) or is the sequence's last step M.
+
+    Args:
+      reward: [M + 1] float, reward[t] follows the action at t - 1.
+      bootstrap: [M + 1] float, value of each step's observation (raw scale).
+      terminated, truncated: [M + 1] bool.
+      discount: scalar in [0, 1].
+      n: steps, >= 1 (static).
+    Returns:
+      [M] float32 returns for t = 0..M-1 (meaningless where `action_mask` is 0).
+    """
+    m = reward.shape[0] - 1
+    stop = (terminated | truncated).at[m].set(True)  # the sequence's end bootstraps too
+    end_value = jnp.where(terminated, 0.0, bootstrap)
+    t = jnp.arange(m)
+    returns = jnp.zeros((m,), jnp.float32)
+    scale = jnp.ones((m,), jnp.float32)
+    running = jnp.ones((m,), bool)
+    for k in range(1, n + 1):
+        i = jnp.minimum(t + k, m)  # once clipped, `running` is already False
+        returns = returns + jnp.where(running, scale * reward[i], 0.0)
+        scale = scale * discount
+        ends = stop[i] | (k == n)
+        returns = returns + jnp.where(running & ends, scale * end_value[i], 0.0)
+        running = running & ~ends
+    return returns
