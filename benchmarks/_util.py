@@ -1,0 +1,136 @@
+"""What the benchmarks share: JSON records, the two bounds and one measured Sebulba run.
+
+JAX, sebulba and agents are imported inside the functions: "async" vectorization spawns
+worker processes that import the benchmark's main module, and they should start fast.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def load() -> list[float]:
+    """The 1, 5 and 15 minute load averages: other processes skew the figures."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Prints one JSON line, stamped with the time (UTC) and the load average."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S")
+    print(json.dumps({**record, "time": now, "load": load()}), flush=True)
+
+
+def meta(benchmark: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The first record of every benchmark: what ran, where and when."""
+    import gymnasium
+    import jax
+
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                    if line.startswith("Model name:")), "unknown")
+    except OSError:
+        cpu = platform.processor() or "unknown"
+    return {
+        "record": "meta", "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
+        "jax": jax.__version__, "gymnasium": gymnasium.__version__,
+        "devices": [str(d) for d in jax.devices()], "argv": sys.argv[1:], "args": args,
+    }
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def str_list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def median(values: Sequence[float]) -> float:
+    return round(float(statistics.median(values)), 1)
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3)
+
+
+def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int) -> float:
+    """Steps/second of a bare vector env on uniformly random actions (drawn up front)."""
+    import numpy as np
+
+    vec = make_vec()
+    try:
+        actions = np.random.default_rng(seed).integers(
+            0, vec.single_action_space.n, size=(vector_steps + 10, vec.num_envs))
+        vec.reset(seed=seed)
+        for a in actions[:10]:  # async workers finish starting up
+            vec.step(a)
+        t0 = time.perf_counter()
+        for a in actions[10:]:
+            vec.step(a)
+        seconds = time.perf_counter() - t0
+    finally:
+        vec.close()
+    return vec.num_envs * vector_steps / seconds
+
+
+def inference_only(agent, num_envs: int, calls: int, seed: int) -> float:
+    """Steps/second of `jax.jit(agent.step)` on `num_envs` host observations with the
+    action fetched to the host, one call after the other (the framework's work per
+    step at the least: it also records the step in the trajectory)."""
+    import jax
+    import numpy as np
+
+    import sebulba
+    from sebulba.envs import example_env_step
+
+    key = jax.random.key(seed)
+    nets = agent.new_networks(key)
+    layout = sebulba.Layout(envs_per_group=num_envs, num_groups=1, steps_per_cycle=1,
+                            num_learner_devices=1)
+    step_state = agent.new_state(nets, key, layout).step_state
+    env_step = example_env_step(agent.env_spec, num_envs)
+    step = jax.jit(agent.step)
+
+    def steps(n: int, step_state):
+        for _ in range(n):
+            out, step_state = step(step_state, nets, env_step)
+            np.asarray(out.action)
+        return step_state
+
+    step_state = steps(10, step_state)  # compiled and warm
+    t0 = time.perf_counter()
+    steps(calls, step_state)
+    return num_envs * calls / (time.perf_counter() - t0)
+
+
+def measure(loop, cycles: int) -> dict[str, Any]:
+    """One acting-only run (`learn=False`) of `cycles` inference cycles per env group.
+
+    `loop` keeps its compiled functions between runs, so warm it up with one run first.
+    Stage times are summed over the inferencer threads and given per vector env step
+    of one group, to compare with the bounds.
+    """
+    cfg = loop.config
+    result = loop.run(cycles * cfg.steps_per_cycle * cfg.envs_per_group * cfg.num_groups,
+                      learn=False)
+    vector_steps = result.env_steps / cfg.envs_per_group
+    return {
+        "vectorization": cfg.vectorization, "async_factor": cfg.async_factor,
+        "envs_per_group": cfg.envs_per_group, "steps_per_cycle": cfg.steps_per_cycle,
+        "steps_per_second": round(result.steps_per_second, 1),
+        "env_steps": result.env_steps, "wall_seconds": round(result.wall_seconds, 3),
+        "us_per_vector_step": {k: round(1e6 * v / vector_steps, 1)
+                               for k, v in sorted(result.stage_seconds.items())},
+    }

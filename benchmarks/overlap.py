@@ -1,0 +1,107 @@
+"""Double buffering: env groups of an env whose step takes a fixed 2 ms of wall time in
+its worker (async vectorization). When the env dominates, async_factor 2 (two groups,
+one inferring while the other waits on its workers) should nearly double the
+steps/second of async_factor 1; the target is 1.8x. Acting only, with the simple policy
+gradient agent's own network (two layers of 64). More envs per group, or a bigger
+network, add CPU work per step that two cores cannot hide: hence a figure per group size
+(RESULTS.md).
+
+Records (JSON lines), for each number of envs per group: env_only (one group's vector env
+alone), one sebulba record per run (async_factor 1 and 2 interleaved, `--repeats` times),
+then the overlap record with the ratio of the medians.
+
+    python -m benchmarks.overlap
+    python -m benchmarks.overlap --envs_per_group=4 --step_ms=5
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import gymnasium as gym
+import numpy as np
+
+from benchmarks._util import emit, env_only, int_list, measure, median, meta, ratio
+
+TARGET_RATIO = 1.8
+
+
+class SleepEnv(gym.Env):
+    """Each step sleeps `step_seconds`; episodes are truncated after `episode_length` steps.
+
+    At module level so that spawned workers can import it.
+    """
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, step_seconds: float = 0.002, episode_length: int = 200):
+        self.step_seconds = step_seconds
+        self.episode_length = episode_length
+        self.t = 0
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.t / self.episode_length, 0.0, 0.0, 0.0], np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        time.sleep(self.step_seconds)
+        self.t += 1
+        return self._obs(), 1.0, False, self.t >= self.episode_length, {}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step_ms", type=float, default=2.0, help="wall time of one env step")
+    p.add_argument("--envs_per_group", type=int_list, default=[2, 4, 8],
+                   help="one overlap figure per value")
+    p.add_argument("--steps_per_cycle", type=int, default=50)
+    p.add_argument("--cycles", type=int, default=20, help="measured cycles per env group")
+    p.add_argument("--hidden_sizes", type=int_list, default=[64, 64])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import sebulba
+    from agents.spg import SPG, SPGConfig
+    from sebulba.envs import make_vector_env
+
+    started = time.perf_counter()
+    emit(meta("overlap", vars(args)))
+    env = functools.partial(SleepEnv, step_seconds=args.step_ms / 1000)
+    agent = SPG(sebulba.env_spec(env), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
+    for e in args.envs_per_group:
+        sps = env_only(lambda e=e: make_vector_env(env, e, "async"),
+                       args.cycles * args.steps_per_cycle, args.seed)
+        emit({"record": "env_only", "envs_per_group": e, "steps_per_second": round(sps, 1)})
+        loops = {af: sebulba.Sebulba(agent, sebulba.Config(
+            env=env, envs_per_group=e, vectorization="async", async_factor=af,
+            steps_per_cycle=args.steps_per_cycle, seed=args.seed)) for af in (1, 2)}
+        for loop in loops.values():
+            measure(loop, cycles=1)  # compiles
+        runs: dict[int, list[float]] = {1: [], 2: []}
+        for repeat in range(args.repeats):
+            for af, loop in loops.items():
+                rec = measure(loop, args.cycles)
+                runs[af].append(rec["steps_per_second"])
+                emit({"record": "sebulba", "repeat": repeat, **rec})
+        af1, af2 = median(runs[1]), median(runs[2])
+        emit({"record": "overlap", "envs_per_group": e, "steps_per_second_af1": af1,
+              "steps_per_second_af2": af2, "repeats_af1": runs[1], "repeats_af2": runs[2],
+              "ratio_af2_to_af1": ratio(af2, af1), "target_ratio": TARGET_RATIO,
+              "meets_target": af2 >= TARGET_RATIO * af1})
+    emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+
+
+if __name__ == "__main__":
+    main()

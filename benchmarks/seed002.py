@@ -1,0 +1,106 @@
+"""Seed 002's configuration, acting only: simple policy gradient with five hidden layers
+of 200, CartPole-v1, 16 envs per env group, 20 inference cycles of 100 steps per group.
+Steps/second of the Sebulba loop for each async_factor and vectorization, next to its
+bound: the slower of env-only throughput (the bare vector env stepping random actions)
+and inference-only throughput (one jitted `agent.step` on the group's observations with
+the action back on the host, call after call).
+
+Records (JSON lines): meta, then per repeat env_only, inference_only and one sebulba
+record per configuration (repeats interleave, so a change of machine load hits every
+configuration alike), then one summary per configuration with the medians.
+
+    python -m benchmarks.seed002
+    python -m benchmarks.seed002 --envs_per_group=8,16,32 --vectorizations=sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from benchmarks._util import (
+    emit,
+    env_only,
+    inference_only,
+    int_list,
+    measure,
+    median,
+    meta,
+    ratio,
+    str_list,
+)
+
+ENV_ID = "CartPole-v1"
+TARGET_STEPS_PER_SECOND = 15_000  # for sync envs; async ones alone are slower (RESULTS.md)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.seed002", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--envs_per_group", type=int_list, default=[16])
+    p.add_argument("--async_factors", type=int_list, default=[1, 2])
+    p.add_argument("--vectorizations", type=str_list, default=["sync", "async"])
+    p.add_argument("--steps_per_cycle", type=int, default=100)
+    p.add_argument("--cycles", type=int, default=20, help="measured cycles per env group")
+    p.add_argument("--hidden_sizes", type=int_list, default=[200] * 5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import sebulba
+    from agents.spg import SPG, SPGConfig
+    from sebulba.envs import make_vector_env
+
+    started = time.perf_counter()
+    emit(meta("seed002", vars(args)))
+    agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
+    vector_steps = args.cycles * args.steps_per_cycle
+    loops = {
+        (v, af, e): sebulba.Sebulba(agent, sebulba.Config(
+            env=ENV_ID, envs_per_group=e, vectorization=v, async_factor=af,
+            steps_per_cycle=args.steps_per_cycle, seed=args.seed))
+        for e in args.envs_per_group for v in args.vectorizations for af in args.async_factors
+    }
+    for loop in loops.values():
+        measure(loop, cycles=1)  # compiles; every later run reuses what it compiled
+
+    envs, infer, runs = (collections.defaultdict(list) for _ in range(3))
+    for repeat in range(args.repeats):
+        for e in args.envs_per_group:
+            for v in args.vectorizations:
+                sps = env_only(lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
+                               vector_steps, args.seed)
+                envs[v, e].append(sps)
+                emit({"record": "env_only", "repeat": repeat, "vectorization": v,
+                      "envs_per_group": e, "steps_per_second": round(sps, 1)})
+            sps = inference_only(agent, e, vector_steps, args.seed)
+            infer[e].append(sps)
+            emit({"record": "inference_only", "repeat": repeat, "envs_per_group": e,
+                  "steps_per_second": round(sps, 1)})
+        for key, loop in loops.items():
+            rec = measure(loop, args.cycles)
+            runs[key].append(rec["steps_per_second"])
+            emit({"record": "sebulba", "repeat": repeat, **rec})
+
+    for (v, af, e), values in runs.items():
+        sps, env_sps, inf_sps = median(values), median(envs[v, e]), median(infer[e])
+        bound = min(env_sps, inf_sps)
+        summary = {
+            "record": "summary", "vectorization": v, "async_factor": af, "envs_per_group": e,
+            "steps_per_second": sps, "repeats": values, "env_only": env_sps,
+            "inference_only": inf_sps, "bound": bound,
+            "bounded_by": "env" if env_sps <= inf_sps else "inference",
+            "ratio_to_bound": ratio(sps, bound),
+        }
+        if v == "sync":
+            summary["meets_target"] = sps >= TARGET_STEPS_PER_SECOND
+        emit(summary)
+    emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+
+
+if __name__ == "__main__":
+    main()
