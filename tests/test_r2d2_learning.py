@@ -1,0 +1,64 @@
+"""R2D2 learns what needs memory, in the real Sebulba loop (issue 4).
+
+Metric: mean return of the episodes completed in the last 10% of the budget, with the
+actors' own exploration (per-env epsilon from 0.4 down to 0.4^8: on cue recall with 32
+envs the mean epsilon is ~0.06, so the best achievable is ~0.97).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import sebulba
+from agents.r2d2 import R2D2, R2D2Config
+
+CUE_RECALL = "sebulba/CueRecall-v0"
+CUE_KWARGS = {"num_cues": 2, "delay": 5}  # 7-step episodes; chance is 0.5, the max 1
+CARTPOLE = "sebulba/CartPoleNoVelocity-v1"  # a uniformly random policy scores ~22
+
+
+def run(env: str, env_kwargs: dict, config: R2D2Config, steps: int,
+        seed: int) -> sebulba.RunResult:
+    loop_config = sebulba.Config(env=env, env_kwargs=env_kwargs, envs_per_group=16,
+                                 steps_per_cycle=config.sequence_period, async_factor=2,
+                                 seed=seed)
+    agent = R2D2(sebulba.env_spec(env, env_kwargs), config)
+    result = sebulba.Sebulba(agent, loop_config).run(steps)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.consumed >= steps
+    return result
+
+
+def cue_recall_config(use_lstm: bool) -> R2D2Config:
+    # Sequences of 16 (8 of burn-in) cover two 7-step episodes.
+    return R2D2Config(torso_sizes=(32,), lstm_size=32, head_sizes=(32,), use_lstm=use_lstm,
+                      sequence_length=16, sequence_overlap=8, burn_in=4, n_step=3,
+                      discount=0.9, target_update_period=50, learning_rate=1e-3,
+                      batch_size=32, replay_capacity=2000, min_replay_size=200,
+                      updates_per_trajectory=2)
+
+
+@pytest.mark.timeout(600)
+def test_r2d2_recalls_the_cue_where_a_feed_forward_q_network_cannot(no_leftovers):
+    # Measured last-10% means at 50k steps (seeds 0, 1, 2): LSTM 0.98, 0.96, 0.96;
+    # feed-forward 0.49, 0.50, 0.49. The LSTM reaches ~0.96 by 20-30k steps, sometimes
+    # with a brief dip later. ~10 s per run alone, 25-45 s on 2 cores at load ~12-17.
+    steps = 50_000
+    recurrent = run(CUE_RECALL, CUE_KWARGS, cue_recall_config(use_lstm=True), steps, seed=0)
+    feed_forward = run(CUE_RECALL, CUE_KWARGS, cue_recall_config(use_lstm=False), steps, seed=0)
+    assert recurrent.mean_return(0.9, 1.0) >= 0.9, recurrent.summary()
+    assert feed_forward.mean_return(0.9, 1.0) <= 0.6, feed_forward.summary()
+
+
+@pytest.mark.timeout(600)
+def test_r2d2_balances_cartpole_without_velocities(no_leftovers):
+    # The issue asks for >= 150 within 1M steps; 300k suffice. Measured last-10% means at
+    # 300k (seeds 0, 1, 2): 375, 388, 390 (~150 is passed near 200k); 30-40 s per run on 2
+    # cores at load ~2-4, 72 s at load ~12.
+    config = R2D2Config(torso_sizes=(64,), lstm_size=64, head_sizes=(64,),
+                        sequence_length=40, sequence_overlap=20, burn_in=10, n_step=5,
+                        discount=0.99, target_update_period=200, learning_rate=5e-4,
+                        batch_size=32, replay_capacity=5000, min_replay_size=500,
+                        updates_per_trajectory=4)
+    result = run(CARTPOLE, {}, config, 300_000, seed=0)
+    assert result.mean_return(0.9, 1.0) >= 150, result.summary()
