@@ -38,6 +38,11 @@ class Config:
       async_context: multiprocessing start method for "async" vectorization.
       shutdown_timeout_s: how long stopping waits for a thread before giving up on it.
       seed: seeds the networks, the agent state and the envs.
+      desync_episodes: truncate each env's first episode at a length drawn uniformly from
+        1 to the env's episode step limit, so that envs that start together do not stay
+        in the same episode phase (seed 001's "no temporal diversity"). Needs a time
+        limit (a registered `max_episode_steps` or a `TimeLimit` wrapper) and per-env
+        vectorization ("sync" or "async").
     """
 
     env: str | EnvFactory = "CartPole-v1"
@@ -54,6 +59,7 @@ class Config:
     async_context: str = "spawn"
     shutdown_timeout_s: float = 10.0
     seed: int = 0
+    desync_episodes: bool = False
 
     def __post_init__(self):
         _positive("envs_per_group", self.envs_per_group)
@@ -67,6 +73,12 @@ class Config:
             raise ValueError(
                 f"vectorization must be one of {VECTORIZATIONS}, got {self.vectorization!r}"
             )
+        if not isinstance(self.desync_episodes, bool):
+            raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
+        if self.desync_episodes and self.vectorization == "vector_entry_point":
+            raise ValueError(
+                "desync_episodes wraps each env, so it needs vectorization 'sync' or 'async', "
+                "got 'vector_entry_point'")
         if not (isinstance(self.env, str) or callable(self.env)):
             raise TypeError(f"env must be an env id or a factory, got {self.env!r}")
         if self.vectorization == "vector_entry_point" and not isinstance(self.env, str):

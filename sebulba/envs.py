@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -88,20 +89,91 @@ def env_spec(
         single.close()
 
 
+def episode_step_limit(env: gym.Env) -> int | None:
+    """The env's episode step limit: its spec's `max_episode_steps` or a TimeLimit's."""
+    if env.spec is not None and env.spec.max_episode_steps:
+        return int(env.spec.max_episode_steps)
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            return int(env._max_episode_steps)
+        env = env.env
+    return None
+
+
+class DesyncFirstEpisode(gym.Wrapper):
+    """Truncates the first episode at a length drawn uniformly from 1..`max_episode_steps`.
+
+    Envs reset together stay in phase until their episodes end at different times; a
+    random cut of the first episode spreads their phases over the episode length from
+    the second episode on. Later episodes are untouched. The length is drawn from the
+    seed of the first reset (vector envs give env i seed + i), so runs repeat.
+    """
+
+    def __init__(self, env: gym.Env, max_episode_steps: int | None = None):
+        super().__init__(env)
+        limit = max_episode_steps or episode_step_limit(env)
+        if not limit:
+            raise ValueError(
+                f"desync_episodes needs an episode step limit, and {env} has none: register "
+                "the id with max_episode_steps or wrap the env in gymnasium.wrappers.TimeLimit")
+        self.max_episode_steps = limit
+        self.first_episode_length: int | None = None  # drawn at the first reset
+        self._in_first = False
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        obs, info = self.env.reset(seed=seed, options=options)
+        if self.first_episode_length is None:
+            # Its own generator, so the env's randomness is the same with and without desync.
+            rng = np.random.default_rng(None if seed is None else [seed, 0xDE5C])
+            self.first_episode_length = int(rng.integers(1, self.max_episode_steps + 1))
+            self._in_first = True
+        else:
+            self._in_first = False
+        self._t = 0
+        return obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._t += 1
+        if self._in_first:
+            truncated = truncated or (self._t >= self.first_episode_length and not terminated)
+            self._in_first = not (terminated or truncated)
+        return obs, reward, terminated, truncated, info
+
+
+def check_desync(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None) -> None:
+    """Raises ValueError, naming the env, if it has no episode step limit to desync with."""
+    single = gym.make(env, **(env_kwargs or {})) if isinstance(env, str) else env()
+    try:
+        DesyncFirstEpisode(single)
+    finally:
+        single.close()
+
+
+def _desynced(env: EnvFactory) -> gym.Env:
+    return DesyncFirstEpisode(env())
+
+
 def make_vector_env(
     env: str | EnvFactory,
     num_envs: int,
     vectorization: str,
     env_kwargs: Mapping[str, Any] | None = None,
     async_context: str = "spawn",
+    desync_episodes: bool = False,
 ) -> gym.vector.VectorEnv:
     """Makes the vector env of one env group, with NEXT_STEP autoreset.
 
     Async (subprocess) envs start their workers with `async_context`; "spawn" by
     default because forking a process that runs JAX threads can deadlock the child.
+    With `desync_episodes` each env is wrapped in `DesyncFirstEpisode`.
     """
     kwargs = dict(env_kwargs or {})
     next_step = gym.vector.AutoresetMode.NEXT_STEP
+    if desync_episodes and vectorization == "vector_entry_point":
+        raise ValueError("desync_episodes needs vectorization 'sync' or 'async', "
+                         "got 'vector_entry_point'")
     if isinstance(env, str):
         register_env_family(env)
         vector_kwargs: dict[str, Any] = {}
@@ -109,7 +181,12 @@ def make_vector_env(
             vector_kwargs["autoreset_mode"] = next_step
         if vectorization == "async":
             vector_kwargs["context"] = async_context
-        vec = gym.make_vec(env, num_envs, vectorization, vector_kwargs=vector_kwargs, **kwargs)
+        wrappers = [DesyncFirstEpisode] if desync_episodes else None
+        vec = gym.make_vec(env, num_envs, vectorization, vector_kwargs=vector_kwargs,
+                           wrappers=wrappers, **kwargs)
+    elif desync_episodes:
+        return make_vector_env(functools.partial(_desynced, env), num_envs, vectorization,
+                               None, async_context)
     elif vectorization == "sync":
         vec = gym.vector.SyncVectorEnv([env] * num_envs, autoreset_mode=next_step)
     elif vectorization == "async":

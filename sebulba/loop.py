@@ -18,7 +18,13 @@ from sebulba import sharding
 from sebulba.accounting import Accounting, RunResult
 from sebulba.agent import Agent, Layout
 from sebulba.config import Config
-from sebulba.envs import HostEnvStepper, close_vector_env, env_spec, make_vector_env
+from sebulba.envs import (
+    HostEnvStepper,
+    check_desync,
+    close_vector_env,
+    env_spec,
+    make_vector_env,
+)
 from sebulba.inferencer import (
     POLL_SECONDS,
     ActingFunctions,
@@ -83,6 +89,8 @@ class Sebulba:
             raise ValueError(
                 f"the agent was built for {agent.env_spec}, but env {config.env!r} has {spec}"
             )
+        if config.desync_episodes:
+            check_desync(config.env, config.env_kwargs)
         optims = agent.num_off_policy_optims_per_cycle()
         if not isinstance(optims, int) or optims < 0:
             raise ValueError(
@@ -254,7 +262,7 @@ class Sebulba:
             for group in range(cfg.num_groups):
                 device = self.inference_devices[group // cfg.async_factor]
                 vec = make_vector_env(cfg.env, envs_per_group, cfg.vectorization,
-                                      cfg.env_kwargs, cfg.async_context)
+                                      cfg.env_kwargs, cfg.async_context, cfg.desync_episodes)
                 runners.append(EnvGroupRunner(
                     group=group,
                     device=device,

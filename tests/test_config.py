@@ -30,11 +30,14 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"learner_devices": [1, 1]}, r"learner_devices lists a device twice"),
         ({"vectorization": "threads"}, r"vectorization must be one of .* got 'threads'"),
         ({"queue_capacity": -1}, r"queue_capacity must be an int >= 0, got -1"),
+        ({"desync_episodes": 1}, r"desync_episodes must be a bool, got 1"),
+        ({"env": "CartPole-v1", "vectorization": "vector_entry_point", "desync_episodes": True},
+         r"desync_episodes wraps each env, so it needs vectorization 'sync' or 'async'"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        sebulba.Config(env=COUNTING, **kwargs)
+        sebulba.Config(**{"env": COUNTING, **kwargs})
 
 
 class DictObsEnv(CountingEnv):

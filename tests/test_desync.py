@@ -1,0 +1,92 @@
+"""desync_episodes: each env's first episode is cut at a random length, so phases spread."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import sebulba
+from sebulba.envs import DesyncFirstEpisode, HostEnvStepper, make_vector_env
+from tests.counting_agent import CountingAgent
+from tests.envs import CountingEnv
+
+EPISODE_LENGTH = 24
+
+
+def limited_counting_env() -> gym.Env:
+    """Observation (env id, episode, step in episode); episodes of 24 steps, time-limited."""
+    return gym.wrappers.TimeLimit(CountingEnv(EPISODE_LENGTH), EPISODE_LENGTH)
+
+
+@pytest.mark.timeout(60)
+def test_only_the_first_episode_is_cut_and_the_cut_repeats_with_the_seed():
+    lengths = []
+    for seed in range(40):
+        env = DesyncFirstEpisode(limited_counting_env())
+        env.reset(seed=seed)
+        cut = env.first_episode_length
+        assert 1 <= cut <= EPISODE_LENGTH
+        steps, truncated = 0, False
+        while not truncated:
+            _, _, terminated, truncated, _ = env.step(0)
+            steps += 1
+            assert not terminated or steps == EPISODE_LENGTH
+            truncated = truncated or terminated
+        assert steps == cut
+        env.reset()
+        for _ in range(EPISODE_LENGTH - 1):  # the second episode runs to its full length
+            assert not any(env.step(0)[2:4])
+        assert any(env.step(0)[2:4])
+        again = DesyncFirstEpisode(limited_counting_env())
+        again.reset(seed=seed)
+        assert again.first_episode_length == cut
+        lengths.append(cut)
+    assert len(set(lengths)) > 15  # spread over 1..24, not one value
+
+
+@pytest.mark.timeout(60)
+def test_an_env_without_a_step_limit_is_rejected_at_construction():
+    config = sebulba.Config(env=CountingEnv, envs_per_group=2, desync_episodes=True)
+    with pytest.raises(ValueError, match="desync_episodes needs an episode step limit"):
+        sebulba.Sebulba(CountingAgent(sebulba.env_spec(CountingEnv)), config)
+    with pytest.raises(ValueError, match="desync_episodes needs vectorization 'sync' or 'async'"):
+        make_vector_env("CartPole-v1", 2, "vector_entry_point", desync_episodes=True)
+
+
+@pytest.mark.timeout(60)
+def test_cartpole_ids_get_the_wrapper_with_their_registered_limit():
+    vec = make_vector_env("CartPole-v1", 8, "sync", desync_episodes=True)
+    try:
+        stepper = HostEnvStepper(vec)
+        stepper.reset(seed=0)
+        cuts = [e.first_episode_length for e in vec.envs if isinstance(e, DesyncFirstEpisode)]
+        assert len(cuts) == 8 and max(cuts) <= 500 and len(set(cuts)) == 8
+    finally:
+        vec.close()
+
+
+def phases_after_first_cycle(desync: bool) -> np.ndarray:
+    """Step in episode of every env at the end of its group's first cycle (T = 32 > 24)."""
+    steps = 32
+    config = sebulba.Config(env=limited_counting_env, envs_per_group=8, async_factor=2,
+                            steps_per_cycle=steps, seed=3, desync_episodes=desync)
+    agent = CountingAgent(sebulba.env_spec(limited_counting_env), capacity=8)
+    result = sebulba.Sebulba(agent, config).run(2 * 2 * 8 * steps)
+    log = result.learner_experience
+    obs = np.asarray(log.obs.addressable_shards[0].data)[0]  # [C, E, T + 1, 3]
+    size = int(np.asarray(log.size.addressable_shards[0].data)[0])
+    # A group's first trajectory starts at episode 0, step 0 in every env.
+    first = [c for c in range(size) if np.all(obs[c, :, 0, 1:] == 0)]
+    assert len(first) == 2, obs[:size, :, 0]
+    return np.concatenate([obs[c, :, steps, 2] for c in first])
+
+
+@pytest.mark.timeout(180)
+def test_desync_spreads_the_episode_phases_in_the_buffer(no_leftovers):
+    synced = phases_after_first_cycle(False)
+    assert len(set(synced.tolist())) == 1  # all 16 envs at the same step of an episode
+    spread = phases_after_first_cycle(True)
+    # Measured (seed 3): 11 distinct phases over 16 envs, from 1 to 23; without desync all 7.
+    assert len(set(spread.tolist())) >= 8, spread
+    assert spread.max() - spread.min() >= EPISODE_LENGTH // 2, spread
