@@ -1,0 +1,237 @@
+"""IMPALA (Espeholt et al., 2018): an actor-critic corrected for policy lag by V-trace.
+
+Each received trajectory shard is learnt from once, as it arrives. In Sebulba the
+networks that acted are usually 1-2 updates older than the learner's (the learner
+publishes after the trajectory was produced), so the learner's policy pi is not the
+behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and V-trace
+weighs the returns and the policy gradient by clipped ratios pi / mu.
+
+Feed-forward (separate tanh MLPs for policy and value) or recurrent (`use_lstm`: a
+resetting LSTM core). The LSTM state lives in the StepState; acting resets it where an
+episode starts, and training unrolls it over the trajectory from the state the actor had
+at its first step (kept from the initial StepState), with the same resets. Read top to
+bottom: config, state, acting, experience, loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import sebulba
+from agents.common import policy
+from agents.common.networks import SeparatePolicyValueMLP
+from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
+from agents.common.returns import action_mask
+from agents.common.vtrace import vtrace
+from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
+
+OPTIMIZERS = ("adam", "rmsprop")
+
+
+@dataclasses.dataclass(frozen=True)
+class IMPALAConfig:
+    """Hyperparameters; the defaults learn CartPole-v1 (16 envs per group, T = 32).
+
+    Attributes:
+      use_lstm: a resetting LSTM core between the torso and the heads (for partially
+        observed envs); otherwise separate feed-forward policy and value MLPs.
+      hidden_sizes: tanh layers of the MLPs (or of the torso before the LSTM).
+      lstm_size: units of the LSTM core (only with use_lstm).
+      optimizer: "adam" (the default: robust across these small tasks with one setting)
+        or "rmsprop" (the paper's choice, decay 0.99, no momentum).
+      learning_rate: the optimizer's step size.
+      optimizer_eps: epsilon of Adam or RMSProp (the paper's RMSProp used 0.01).
+      max_grad_norm: gradients are clipped to this global norm before the optimizer.
+      discount: per-step discount gamma.
+      rho_bar: clips the importance ratio in the V-trace targets (their fixed point).
+      c_bar: clips the trace coefficients of the V-trace targets (speed of contraction).
+      pg_rho_bar: clips the importance ratio of the policy gradient advantages.
+      vtrace_lambda: scales the traces, c = lambda * min(c_bar, ratio); 1 in the paper.
+      baseline_cost: weight of the value's squared error (to the V-trace targets).
+      entropy_cost: weight of the policy's entropy bonus.
+      reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
+        disables clipping (the paper clips Atari rewards to [-1, 1]).
+    """
+
+    use_lstm: bool = False
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    lstm_size: int = 64
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    optimizer_eps: float = 1e-5
+    max_grad_norm: float = 0.5
+    discount: float = 0.99
+    rho_bar: float = 1.0
+    c_bar: float = 1.0
+    pg_rho_bar: float = 1.0
+    vtrace_lambda: float = 1.0
+    baseline_cost: float = 0.5
+    entropy_cost: float = 0.01
+    reward_clip: float = 0.0
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        sizes = self.hidden_sizes
+        if not isinstance(sizes, tuple) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+            raise ValueError(f"hidden_sizes must be a tuple of ints >= 1, got {sizes!r}")
+        if not isinstance(self.lstm_size, int) or isinstance(self.lstm_size, bool) \
+                or self.lstm_size < 1:
+            raise ValueError(f"lstm_size must be an int >= 1, got {self.lstm_size!r}")
+        for name in ("learning_rate", "optimizer_eps", "max_grad_norm", "rho_bar", "c_bar",
+                     "pg_rho_bar"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("discount", "vtrace_lambda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        for name in ("baseline_cost", "entropy_cost", "reward_clip"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.c_bar > self.rho_bar:
+            # The paper's analysis assumes c_bar <= rho_bar (Remark 1 of section 4.1).
+            raise ValueError(
+                f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
+
+
+class IMPALAStepState(NamedTuple):
+    key: jax.Array  # [E] typed PRNG keys, one per env
+    lstm: LSTMState | None  # leaves [E, lstm_size], the core's state; None without LSTM
+
+
+class IMPALAExperience(NamedTuple):
+    trajectory: Trajectory  # the latest shard, leaves [E, T(+1), ...]
+    lstm: LSTMState | None  # [E, lstm_size] the actor's state before the shard's first step
+
+
+class IMPALA(sebulba.Agent):
+    """IMPALA with V-trace for Discrete action spaces; observations are flattened."""
+
+    def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
+        super().__init__(env_spec)
+        self.config = config
+        obs_rank = len(env_spec.obs_shape)
+        if config.use_lstm:
+            self.network = LSTMPolicyValue(env_spec.num_actions, tuple(config.hidden_sizes),
+                                           config.lstm_size, obs_rank=obs_rank)
+        else:
+            self.network = SeparatePolicyValueMLP(
+                env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=obs_rank)
+        if config.optimizer == "adam":
+            opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
+        else:
+            opt = optax.rmsprop(config.learning_rate, decay=0.99, eps=config.optimizer_eps)
+        self.optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), opt)
+
+    def _unroll(
+        self, nets: Nets, lstm: LSTMState | None, obs: jax.Array, first: jax.Array
+    ) -> tuple[LSTMState | None, jax.Array, jax.Array]:
+        """(state [B, H] or None, obs [B, T, *obs_shape], first [B, T]) -> (state after
+        the last step, logits [B, T, A], value [B, T]). The MLP ignores state and `first`."""
+        if self.config.use_lstm:
+            return self.network.apply(nets, lstm, obs, first)
+        logits, value = self.network.apply(nets, obs)
+        return None, logits, value
+
+    # State.
+
+    def new_networks(self, key: jax.Array) -> Nets:
+        obs = jnp.zeros((1, 1) + self.env_spec.obs_shape, jnp.float32)
+        if self.config.use_lstm:
+            first = jnp.ones((1, 1), bool)
+            return self.network.init(key, initial_lstm_state(1, self.config.lstm_size), obs, first)
+        return self.network.init(key, obs)
+
+    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> IMPALAStepState:
+        lstm = initial_lstm_state(num_envs, self.config.lstm_size) if self.config.use_lstm \
+            else None
+        return IMPALAStepState(key=jax.random.split(key, num_envs), lstm=lstm)
+
+    def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
+        return self.optimizer.init(nets)
+
+    def _new_experience_state(
+        self, nets: Nets, key: jax.Array, layout: sebulba.Layout
+    ) -> IMPALAExperience:
+        # Shaped exactly like what update_experience returns (its buffers are donated).
+        num_envs = layout.envs_per_learner_shard
+        zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
+        return IMPALAExperience(zeros, self._new_step_state(nets, key, num_envs).lstm)
+
+    # Acting: one step of the unroll (T = 1); the LSTM resets where `first` is set.
+
+    def step(
+        self, step_state: IMPALAStepState, nets: Nets, env_step: EnvStep
+    ) -> tuple[sebulba.ActorOutput, IMPALAStepState]:
+        lstm, logits, _ = self._unroll(
+            nets, step_state.lstm, env_step.obs[:, None], env_step.first[:, None])
+        action, key = policy.sample(step_state.key, logits[:, 0])
+        return policy.actor_output(logits[:, 0], action), IMPALAStepState(key, lstm)
+
+    def greedy_step(
+        self, step_state: IMPALAStepState, nets: Nets, env_step: EnvStep
+    ) -> tuple[sebulba.ActorOutput, IMPALAStepState]:
+        lstm, logits, _ = self._unroll(
+            nets, step_state.lstm, env_step.obs[:, None], env_step.first[:, None])
+        action = jnp.argmax(logits[:, 0], axis=-1)
+        return policy.actor_output(logits[:, 0], action), step_state._replace(lstm=lstm)
+
+    # Experience: the latest trajectory shard and the LSTM state it started from.
+
+    def update_experience(
+        self,
+        experience: IMPALAExperience,
+        initial_step_state: IMPALAStepState,
+        final_step_state: IMPALAStepState,
+        trajectory: Trajectory,
+        nets: Nets,
+    ) -> IMPALAExperience:
+        return IMPALAExperience(trajectory, initial_step_state.lstm)
+
+    # Learning: one V-trace actor-critic step per trajectory.
+
+    def loss(
+        self, nets: Nets, opt: OptState, experience: IMPALAExperience
+    ) -> tuple[jax.Array, tuple[IMPALAExperience, Metrics]]:
+        cfg = self.config
+        steps, outputs = experience.trajectory.env_steps, experience.trajectory.actor_outputs
+        # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.
+        _, logits, values = self._unroll(nets, experience.lstm, steps.obs, steps.first)
+        logits = logits[:, :-1]  # [E, T, A]
+        log_pi = policy.log_prob(logits, outputs.action)  # [E, T]
+        log_rho = log_pi - outputs.extras["log_prob"]
+        reward = steps.reward
+        if cfg.reward_clip > 0.0:
+            reward = jnp.clip(reward, -cfg.reward_clip, cfg.reward_clip)
+        vt = jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(
+            log_rho, reward, values, steps.terminated, steps.truncated, cfg.discount,
+            cfg.rho_bar, cfg.c_bar, cfg.pg_rho_bar, cfg.vtrace_lambda)  # leaves [E, T]
+        mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
+
+        pg_loss = -policy.masked_mean(log_pi * vt.pg_advantage, mask)
+        baseline_loss = 0.5 * policy.masked_mean((vt.vs - values[:, :-1]) ** 2, mask)
+        entropy = policy.masked_mean(policy.entropy(logits), mask)
+        loss = pg_loss + cfg.baseline_cost * baseline_loss - cfg.entropy_cost * entropy
+        log_rho = jax.lax.stop_gradient(log_rho)
+        metrics = {
+            "pg_loss": pg_loss,
+            "baseline_loss": baseline_loss,
+            "entropy": entropy,
+            # How far the learner has moved from the acting policy (the policy lag's cost).
+            "rho_mean": policy.masked_mean(vt.rho, mask),
+            "rho_clipped_fraction": policy.masked_mean(vt.rho > cfg.rho_bar, mask),
+            "approx_kl": policy.masked_mean(jnp.expm1(log_rho) - log_rho, mask),
+        }
+        return loss, (experience, metrics)
+
+    def optimize_from_grads(
+        self, nets: Nets, opt: OptState, grads: PyTree
+    ) -> tuple[Nets, OptState]:
+        updates, opt = self.optimizer.update(grads, opt, nets)
+        return optax.apply_updates(nets, updates), opt
