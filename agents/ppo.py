@@ -1,12 +1,19 @@
-"""Proximal Policy Optimization (Schulman et al., 2017) with GAE(lambda), CleanRL style.
+"""Proximal Policy Optimization (Schulman et al., 2017) with GAE(lambda), on segments.
 
-Each received trajectory shard is learnt from for `num_epochs` epochs of
-`num_minibatches` minibatches. The advantages are computed once per trajectory, in
-`update_experience`, with the learner's current value function; the ratio's
-denominator is the behaviour policy the actor recorded (under policy lag it is not the
-learner's). Minibatches are sets of envs (rows of the [E, T, ...] shard), so each keeps
-its time order for a recurrent variant. Read top to bottom: config, state, acting,
-experience, loss.
+Each received trajectory shard [E, T] is learnt from for `num_epochs` epochs of
+`num_minibatches` minibatches of segments (`sebulba.segments`): every env's stream is
+cut into segments of `bptt_horizon` steps (the whole trajectory by default), optionally
+sampled in proportion to their summed |advantage|^prio_alpha with importance weights on
+the policy loss. The advantages are computed once per trajectory, in
+`update_experience`, with the learner's current value function; the ratio's denominator
+is the behaviour policy the actor recorded (under policy lag it is not the learner's).
+
+Feed-forward (separate tanh MLPs for policy and value) or recurrent (`use_lstm`: the
+resetting LSTM core of `agents.common.recurrent`). A recurrent actor records the LSTM
+state it acts from in `ActorOutput.extras["core"]` every step, so every segment is
+unrolled in training from the state the actor had at its first step, and resets where
+an episode starts inside it exactly as acting did. Read top to bottom: config, state,
+acting, experience, loss.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import optax
 
 import sebulba
 from agents.common.networks import SeparatePolicyValueMLP
+from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
 from agents.common.returns import action_mask, gae_advantages
+from sebulba import segments
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
 
 
@@ -29,14 +38,30 @@ class PPOConfig:
     """Hyperparameters; the defaults learn CartPole-v1 (16 envs per group, T = 32).
 
     Attributes:
-      hidden_sizes: tanh layers of the policy MLP and, separately, of the value MLP.
+      hidden_sizes: tanh layers of the policy MLP and, separately, of the value MLP (with
+        use_lstm: of the torso before the LSTM, shared by policy and value).
+      use_lstm: a resetting LSTM core between the torso and the heads (partially observed
+        envs); training unrolls each segment from the actor's state at its first step.
+      lstm_size: units of the LSTM core (only with use_lstm).
       learning_rate: Adam step size.
       adam_eps: Adam's epsilon (CleanRL's 1e-5 rather than optax's 1e-8).
       max_grad_norm: gradients are clipped to this global norm before Adam.
       discount: per-step discount of the returns.
       gae_lambda: lambda of the GAE advantages (0: one-step TD errors, 1: Monte Carlo).
       num_epochs: passes over each received trajectory shard.
-      num_minibatches: minibatches per epoch; they split the envs of a learner's shard.
+      num_minibatches: minibatches per epoch; they split the segments of a learner's shard.
+      bptt_horizon: steps per segment; must divide steps_per_cycle; 0: the whole
+        trajectory (one segment per env and trajectory).
+      num_segments: segments per update over all learner devices the run must produce
+        (e.g. from a PufferLib batch size / bptt_horizon); a mismatch with the envs is an
+        error. 0: whatever the envs produce.
+      prio_alpha: segments are sampled with probability proportional to (sum_t |A_t|) to
+        this power; 0: uniform minibatches without replacement.
+      prio_beta0: initial exponent of the importance weights (N p_i)^-beta on the policy
+        loss; beta rises linearly to 1 over prio_beta_anneal_updates.
+      prio_beta_anneal_updates: learner iterations (trajectories per learner device) over
+        which beta reaches 1, e.g. total_env_steps / (envs_per_group x steps_per_cycle x
+        processes); 0 keeps beta at prio_beta0.
       clip_epsilon: the probability ratio is clipped to [1 - eps, 1 + eps].
       clip_value_loss: also clip the value to within clip_epsilon of its old estimate.
       normalize_advantages: standardize the advantages within each minibatch.
@@ -45,6 +70,8 @@ class PPOConfig:
     """
 
     hidden_sizes: tuple[int, ...] = (64, 64)
+    use_lstm: bool = False
+    lstm_size: int = 64
     learning_rate: float = 2.5e-4
     adam_eps: float = 1e-5
     max_grad_norm: float = 0.5
@@ -52,6 +79,11 @@ class PPOConfig:
     gae_lambda: float = 0.95
     num_epochs: int = 4
     num_minibatches: int = 4
+    bptt_horizon: int = 0
+    num_segments: int = 0
+    prio_alpha: float = 0.0
+    prio_beta0: float = 0.6
+    prio_beta_anneal_updates: int = 0
     clip_epsilon: float = 0.2
     clip_value_loss: bool = True
     normalize_advantages: bool = True
@@ -59,63 +91,92 @@ class PPOConfig:
     entropy_cost: float = 0.01
 
     def __post_init__(self):
-        for name in ("num_epochs", "num_minibatches"):
+        for name in ("num_epochs", "num_minibatches", "lstm_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("discount", "gae_lambda"):
+        for name in ("bptt_horizon", "num_segments", "prio_beta_anneal_updates"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("discount", "gae_lambda", "prio_beta0"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.prio_alpha < 0.0:
+            raise ValueError(f"prio_alpha must be >= 0, got {self.prio_alpha!r}")
         if self.clip_epsilon <= 0.0:
             raise ValueError(f"clip_epsilon must be > 0, got {self.clip_epsilon!r}")
 
 
 class PPOStepState(NamedTuple):
     key: jax.Array  # [E] typed PRNG keys, one per env (a shared 0-d key would repeat per group)
+    core: LSTMState | tuple  # leaves [E, lstm_size] with use_lstm, else ()
 
 
 class PPOBatch(NamedTuple):
-    """A trajectory shard ready to learn from: leaves [E, T, ...] (a minibatch: [E / M, T, ...])."""
+    """A trajectory shard cut into N segments of H steps: leaves [N, H, ...] (a minibatch:
+    [B, H, ...]), except `core`, the recurrent state at each segment's first step."""
 
-    obs: jax.Array  # [E, T, *obs_shape] observations acted on
-    action: jax.Array  # [E, T] int
-    behaviour_log_prob: jax.Array  # [E, T] log pi_behaviour(action | obs), from the actor
-    advantage: jax.Array  # [E, T] GAE(lambda), not normalized
-    value: jax.Array  # [E, T] values when the advantages were computed; targets = adv + value
-    mask: jax.Array  # [E, T] float, 0 where the env ignored the action
+    obs: jax.Array  # [N, H, *obs_shape] observations acted on
+    first: jax.Array  # [N, H] bool, an episode starts here: the LSTM state resets
+    action: jax.Array  # [N, H] int
+    behaviour_log_prob: jax.Array  # [N, H] log pi_behaviour(action | obs), from the actor
+    advantage: jax.Array  # [N, H] GAE(lambda), not normalized
+    value: jax.Array  # [N, H] values when the advantages were computed; targets = adv + value
+    mask: jax.Array  # [N, H] float, 0 where the env ignored the action
+    core: LSTMState | tuple  # leaves [N, lstm_size] with use_lstm, else ()
 
 
 class PPOExperience(NamedTuple):
     batch: PPOBatch
-    permutations: jax.Array  # [num_epochs, E] int32, each epoch's order of envs
+    indices: jax.Array  # [num_epochs * num_minibatches, B] int32 segments of each step
+    weights: jax.Array  # [N] float32 importance weights of the segments (1 if alpha = 0)
     cursor: jax.Array  # int32, optimizer steps taken on `batch`
-    key: jax.Array  # typed PRNG key for the next trajectory's permutations
+    updates: jax.Array  # int32, trajectories received so far (anneals beta)
+    key: jax.Array  # typed PRNG key for the next trajectory's minibatches
 
 
 class PPO(sebulba.Agent):
-    """PPO-clip for Discrete action spaces; observations are flattened."""
+    """PPO-clip for Discrete action spaces, feed-forward or LSTM; observations are flattened."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: PPOConfig = PPOConfig()):
         super().__init__(env_spec)
         self.config = config
-        self.network = SeparatePolicyValueMLP(
-            env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=len(env_spec.obs_shape))
+        obs_rank = len(env_spec.obs_shape)
+        if config.use_lstm:
+            self.network = LSTMPolicyValue(env_spec.num_actions, tuple(config.hidden_sizes),
+                                           config.lstm_size, obs_rank)
+        else:
+            self.network = SeparatePolicyValueMLP(
+                env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=obs_rank)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),
             optax.adam(config.learning_rate, eps=config.adam_eps),
         )
 
-    def _apply(self, nets: Nets, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """obs [..., *obs_shape] -> (logits [..., A], value [...])."""
-        return self.network.apply(nets, obs)
+    def _unroll(
+        self, nets: Nets, core: LSTMState | tuple, obs: jax.Array, first: jax.Array
+    ) -> tuple[LSTMState | tuple, jax.Array, jax.Array]:
+        """(core [B] leaves, obs [B, T, *obs_shape], first [B, T]) -> (core after the last
+        step, logits [B, T, A], value [B, T]). Feed-forward nets ignore core and first."""
+        if self.config.use_lstm:
+            return self.network.apply(nets, core, obs, first)
+        logits, value = self.network.apply(nets, obs)
+        return core, logits, value
 
     # State.
 
     def new_networks(self, key: jax.Array) -> Nets:
-        return self.network.init(key, jnp.zeros((1,) + self.env_spec.obs_shape, jnp.float32))
+        obs = jnp.zeros((1, 1) + self.env_spec.obs_shape, jnp.float32)
+        if self.config.use_lstm:
+            return self.network.init(key, self._initial_core(1), obs, jnp.ones((1, 1), bool))
+        return self.network.init(key, obs)
+
+    def _initial_core(self, num_envs: int) -> LSTMState | tuple:
+        return initial_lstm_state(num_envs, self.config.lstm_size) if self.config.use_lstm else ()
 
     def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> PPOStepState:
-        return PPOStepState(key=jax.random.split(key, num_envs))
+        return PPOStepState(key=jax.random.split(key, num_envs), core=self._initial_core(num_envs))
 
     def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
@@ -123,41 +184,57 @@ class PPO(sebulba.Agent):
     def _new_experience_state(
         self, nets: Nets, key: jax.Array, layout: sebulba.Layout
     ) -> PPOExperience:
-        self._check_minibatches(layout.envs_per_learner_shard, layout)
+        self._segment_layout(layout.envs_per_learner_shard, layout.steps_per_cycle,
+                             layout.num_learner_devices * layout.num_processes)
         # A placeholder built by the same function as real experience, so its structure
         # and shapes are exactly what update_experience returns (the buffers are donated).
         zeros = sebulba.zeros_trajectory(
             self, nets, layout.envs_per_learner_shard, layout.steps_per_cycle)
-        return self._prepare(zeros, nets, key)
+        return self._prepare(zeros, nets, key, jnp.zeros((), jnp.int32))
 
-    def _check_minibatches(self, num_envs: int, layout: sebulba.Layout | None = None) -> None:
-        m = self.config.num_minibatches
-        if num_envs % m == 0:
-            return
-        where = "" if layout is None else (
-            f" (envs_per_group={layout.envs_per_group} / {layout.num_learner_devices} "
-            "learner devices)")
-        raise ValueError(
-            f"num_minibatches={m} must divide the envs each learner device receives per "
-            f"trajectory, {num_envs}{where}: PPO minibatches are sets of whole envs")
+    def _segment_layout(
+        self, num_envs: int, steps_per_cycle: int, num_shards: int | None = None
+    ) -> segments.SegmentLayout:
+        """Checks the sizes (errors name them); `num_shards` is None inside the learner,
+        where the count of learner devices is not known and was checked at construction."""
+        cfg = self.config
+        return segments.segment_layout(
+            num_envs, steps_per_cycle, cfg.bptt_horizon, cfg.num_minibatches,
+            num_shards or 1, cfg.num_segments if num_shards else 0)
 
     # Acting.
 
     def step(
         self, step_state: PPOStepState, nets: Nets, env_step: EnvStep
     ) -> tuple[sebulba.ActorOutput, PPOStepState]:
-        logits, _ = self._apply(nets, env_step.obs)  # [E, A]
+        logits, core = self._act_logits(step_state, nets, env_step)  # [E, A]
         keys = jax.vmap(jax.random.split)(step_state.key)  # [E, 2]
         action = jax.vmap(jax.random.categorical)(keys[:, 0], logits)
-        return _actor_output(logits, action), PPOStepState(key=keys[:, 1])
+        return self._actor_output(logits, action, step_state), PPOStepState(keys[:, 1], core)
 
     def greedy_step(
         self, step_state: PPOStepState, nets: Nets, env_step: EnvStep
     ) -> tuple[sebulba.ActorOutput, PPOStepState]:
-        logits, _ = self._apply(nets, env_step.obs)
-        return _actor_output(logits, jnp.argmax(logits, axis=-1)), step_state
+        logits, core = self._act_logits(step_state, nets, env_step)
+        action = jnp.argmax(logits, axis=-1)
+        return self._actor_output(logits, action, step_state), step_state._replace(core=core)
 
-    # Experience: one trajectory shard, with advantages and each epoch's minibatch order.
+    def _act_logits(self, step_state: PPOStepState, nets: Nets, env_step: EnvStep):
+        """One step of T = 1 through the same unroll training uses: logits [E, A], core."""
+        core, logits, _ = self._unroll(
+            nets, step_state.core, env_step.obs[:, None], env_step.first[:, None])
+        return logits[:, 0], core
+
+    def _actor_output(self, logits: jax.Array, action: jax.Array,
+                      step_state: PPOStepState) -> sebulba.ActorOutput:
+        """Records log pi(action | obs) [E] of the acting policy for the learner's ratio and,
+        for the LSTM, the state [E, lstm_size] acted from (a segment's training start)."""
+        extras = {"log_prob": _log_prob(logits, action)}
+        if self.config.use_lstm:
+            extras["core"] = step_state.core
+        return sebulba.ActorOutput(action=action, extras=extras)
+
+    # Experience: one trajectory shard, cut into segments, with each step's minibatch.
 
     def update_experience(
         self,
@@ -167,47 +244,61 @@ class PPO(sebulba.Agent):
         trajectory: Trajectory,
         nets: Nets,
     ) -> PPOExperience:
-        return self._prepare(trajectory, nets, experience.key)
+        # The initial StepState's core is entry 0 of the recorded extras["core"].
+        return self._prepare(trajectory, nets, experience.key, experience.updates)
 
-    def _prepare(self, trajectory: Trajectory, nets: Nets, key: jax.Array) -> PPOExperience:
+    def _prepare(
+        self, trajectory: Trajectory, nets: Nets, key: jax.Array, updates: jax.Array
+    ) -> PPOExperience:
         cfg = self.config
         steps, outputs = trajectory.env_steps, trajectory.actor_outputs
-        num_envs = steps.reward.shape[0]
-        self._check_minibatches(num_envs)
-        # Values of all T + 1 observations: entry T (and truncated steps) bootstrap.
-        _, values = self._apply(nets, steps.obs)  # [E, T+1]
+        num_envs, num_steps = outputs.action.shape[:2]
+        horizon = self._segment_layout(num_envs, num_steps).horizon
+        cores = outputs.extras["core"] if cfg.use_lstm else ()  # leaves [E, T, lstm_size]
+        # Values of all T + 1 observations (entry T and truncated steps bootstrap),
+        # unrolled from the actor's state at the trajectory's first step.
+        start = jax.tree.map(lambda c: c[:, 0], cores)
+        _, _, values = self._unroll(nets, start, steps.obs, steps.first)  # [E, T+1]
         advantages = jax.vmap(gae_advantages, in_axes=(0, 0, 0, 0, None, None))(
             steps.reward, values, steps.terminated, steps.truncated, cfg.discount, cfg.gae_lambda
         )  # [E, T]
-        key, perm_key = jax.random.split(key)
-        epoch_keys = jax.random.split(perm_key, cfg.num_epochs)
-        permutations = jax.vmap(lambda k: jax.random.permutation(k, num_envs))(epoch_keys)
+
+        def cut(x):
+            return segments.to_segments(x, horizon)
+
         batch = PPOBatch(
-            obs=steps.obs[:, :-1],
-            action=outputs.action,
-            behaviour_log_prob=outputs.extras["log_prob"],
-            advantage=advantages,
-            value=values[:, :-1],
-            mask=jax.vmap(action_mask)(steps.terminated, steps.truncated),
+            obs=cut(steps.obs[:, :-1]),
+            first=cut(steps.first[:, :-1]),
+            action=cut(outputs.action),
+            behaviour_log_prob=cut(outputs.extras["log_prob"]),
+            advantage=cut(advantages),
+            value=cut(values[:, :-1]),
+            mask=cut(jax.vmap(action_mask)(steps.terminated, steps.truncated)),
+            core=segments.segment_starts(cores, horizon),
         )
-        return PPOExperience(batch, permutations.astype(jnp.int32), jnp.zeros((), jnp.int32), key)
+        key, plan_key = jax.random.split(key)
+        beta = segments.annealed_beta(cfg.prio_beta0, updates, cfg.prio_beta_anneal_updates)
+        plan = segments.plan_minibatches(plan_key, batch.advantage, cfg.num_epochs,
+                                         cfg.num_minibatches, cfg.prio_alpha, beta)
+        return PPOExperience(batch, plan.indices, plan.weights, jnp.zeros((), jnp.int32),
+                             updates + 1, key)
 
     def num_off_policy_optims_per_cycle(self) -> int:
         return self.config.num_epochs * self.config.num_minibatches
 
-    # Learning: each call takes the next minibatch and advances the cursor.
+    # Learning: each call takes the next minibatch of segments and advances the cursor.
 
     def loss(
         self, nets: Nets, opt: OptState, experience: PPOExperience
     ) -> tuple[jax.Array, tuple[PPOExperience, Metrics]]:
         cfg = self.config
-        b = self._minibatch(experience)  # leaves [E / M, T, ...]
+        b, weight = self._minibatch(experience)  # leaves [B, H, ...], [B]
 
         def masked_mean(x: jax.Array) -> jax.Array:
             # Actions the env ignored (at the last step of an episode) carry no signal.
             return jnp.sum(x * b.mask) / jnp.maximum(jnp.sum(b.mask), 1.0)
 
-        logits, value = self._apply(nets, b.obs)  # [B, T, A], [B, T]
+        _, logits, value = self._unroll(nets, b.core, b.obs, b.first)  # [B, H, A], [B, H]
         log_probs = jax.nn.log_softmax(logits)
         log_prob = jnp.take_along_axis(log_probs, b.action[..., None], axis=-1)[..., 0]
         log_ratio = log_prob - b.behaviour_log_prob
@@ -218,7 +309,9 @@ class PPO(sebulba.Agent):
             mean = masked_mean(advantage)
             advantage = (advantage - mean) / (jnp.sqrt(masked_mean((advantage - mean) ** 2)) + 1e-8)
         clipped_ratio = jnp.clip(ratio, 1.0 - cfg.clip_epsilon, 1.0 + cfg.clip_epsilon)
-        pg_loss = -masked_mean(jnp.minimum(ratio * advantage, clipped_ratio * advantage))
+        surrogate = jnp.minimum(ratio * advantage, clipped_ratio * advantage)
+        # Importance weights correct the prioritized sampling of segments (1 if alpha = 0).
+        pg_loss = -masked_mean(weight[:, None] * surrogate)
 
         target = b.advantage + b.value  # the lambda-return
         value_error = (value - target) ** 2
@@ -236,18 +329,17 @@ class PPO(sebulba.Agent):
             # Against the behaviour policy: includes the policy lag, not only this update.
             "approx_kl": jax.lax.stop_gradient(masked_mean((ratio - 1.0) - log_ratio)),
             "clip_fraction": masked_mean(jnp.abs(ratio - 1.0) > cfg.clip_epsilon),
+            "importance_weight": jnp.mean(weight),
         }
         return loss, (experience._replace(cursor=experience.cursor + 1), metrics)
 
-    def _minibatch(self, experience: PPOExperience) -> PPOBatch:
-        """The rows (envs) of the batch that optimizer step `cursor` learns from."""
-        m = self.config.num_minibatches
-        size = experience.permutations.shape[1] // m
+    def _minibatch(self, experience: PPOExperience) -> tuple[PPOBatch, jax.Array]:
+        """The segments (leaves [B, H, ...]) and their importance weights [B] that optimizer
+        step `cursor` learns from."""
         # The modulo only matters if the loss is called more often than the framework does.
-        epoch, minibatch = jnp.divmod(
-            experience.cursor % self.num_off_policy_optims_per_cycle(), m)
-        rows = jax.lax.dynamic_slice_in_dim(experience.permutations[epoch], minibatch * size, size)
-        return jax.tree.map(lambda x: x[rows], experience.batch)
+        step = experience.cursor % experience.indices.shape[0]
+        rows = experience.indices[step]
+        return jax.tree.map(lambda x: x[rows], experience.batch), experience.weights[rows]
 
     def optimize_from_grads(
         self, nets: Nets, opt: OptState, grads: PyTree
@@ -256,7 +348,7 @@ class PPO(sebulba.Agent):
         return optax.apply_updates(nets, updates), opt
 
 
-def _actor_output(logits: jax.Array, action: jax.Array) -> sebulba.ActorOutput:
-    """Records log pi(action | obs) [E] of the acting policy for the learner's ratio."""
-    log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), action[..., None], axis=-1)
-    return sebulba.ActorOutput(action=action, extras={"log_prob": log_prob[..., 0]})
+def _log_prob(logits: jax.Array, action: jax.Array) -> jax.Array:
+    """log pi(action) [...] from logits [..., A] and int actions [...]."""
+    log_probs = jax.nn.log_softmax(logits)
+    return jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
