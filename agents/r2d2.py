@@ -72,7 +72,8 @@ from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 @dataclasses.dataclass(frozen=True)
 class R2D2Config:
     """Hyperparameters; the defaults are the paper's (its network sizes, for vector
-    observations: an MLP torso instead of its conv torso). Tests pass CPU-sized ones.
+    observations: an MLP torso instead of its conv torso) except min_replay_size and
+    max_grad_norm, which it does not give. Tests pass CPU-sized ones.
 
     Attributes:
       torso_sizes: ReLU layers applied to the (flattened) observation.
