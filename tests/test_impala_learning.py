@@ -1,0 +1,63 @@
+"""IMPALA learns in the real Sebulba loop, with policy lag ~2 corrected by V-trace.
+
+Issue 3: ">= 300 within 1M steps" on CartPole-v1, and an LSTM variant that clears a
+threshold on a memory task that the feed-forward agent provably cannot. Measured with
+`RunResult.mean_return(0.9, 1.0)`, the mean return of episodes in the last 10% of steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import sebulba
+from agents.impala import IMPALA, IMPALAConfig
+
+
+def train(env: str, total_env_steps: int, seed: int, agent_config: IMPALAConfig,
+          envs_per_group: int = 16, env_kwargs: dict | None = None) -> sebulba.RunResult:
+    env_kwargs = env_kwargs or {}
+    config = sebulba.Config(env=env, env_kwargs=env_kwargs, envs_per_group=envs_per_group,
+                            steps_per_cycle=32, async_factor=2, vectorization="sync", seed=seed)
+    agent = IMPALA(sebulba.env_spec(env, env_kwargs), agent_config)
+    result = sebulba.Sebulba(agent, config).run(total_env_steps)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.consumed >= total_env_steps
+    assert max(result.policy_lags) >= 1  # off-policy data reached the learner
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_impala_learns_cartpole_in_150k_steps(no_leftovers):
+    # A uniformly random policy scores ~22. Measured last-10% means at 150k (first 10%):
+    # 263 (25), 202 (28), 236 (26) for seeds 0, 1, 2; ~25-40 s on 2 shared cores.
+    r = train("CartPole-v1", 150_000, seed=0, agent_config=IMPALAConfig())
+    last, first = r.mean_return(0.9, 1.0), r.mean_return(0.0, 0.1)
+    assert last >= 150 and last >= 2 * first, r.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_impala_solves_cartpole_in_1m_steps(no_leftovers):
+    # Measured last-10% means at 1M with 32 envs per group: 498, 500, 500 (seeds 0, 1, 2);
+    # ~50-60 s each on 2 shared cores. With 16 envs per group (updates twice as often,
+    # from half the data) it peaks at 500 sooner but can collapse late: 483, 123, 278.
+    r = train("CartPole-v1", 1_000_000, seed=0, agent_config=IMPALAConfig(), envs_per_group=32)
+    assert r.mean_return(0.9, 1.0) >= 300, r.summary()
+
+
+@pytest.mark.timeout(400)
+def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
+    # CueRecall with 2 cues and delay 5: the cue is shown only at the first of 7 steps and
+    # must be named at the last. The query observation is the same whichever cue was
+    # shown, so a feed-forward policy's answer is independent of the cue and is right
+    # with probability 1/2 whatever it learns: its expected return is exactly 0.5 (the
+    # last 10% of 120k steps holds ~1,700 episodes, a standard error of ~0.012). The LSTM
+    # must carry the cue over 6 steps.
+    # Measured last-10% means at 120k, LSTM: 0.993, 0.993, 0.995; feed-forward: 0.492,
+    # 0.484, 0.504 (seeds 0, 1, 2); ~20-40 s per run on 2 shared cores.
+    env, kwargs = "sebulba/CueRecall-v0", {"num_cues": 2, "delay": 5}
+    lstm = train(env, 120_000, seed=0, env_kwargs=kwargs,
+                 agent_config=IMPALAConfig(use_lstm=True, hidden_sizes=(64,)))
+    feed_forward = train(env, 120_000, seed=0, env_kwargs=kwargs, agent_config=IMPALAConfig())
+    assert feed_forward.mean_return(0.9, 1.0) <= 0.6, feed_forward.summary()
+    assert lstm.mean_return(0.9, 1.0) >= 0.9, lstm.summary()
