@@ -35,15 +35,17 @@ OPTIMIZERS = ("adam", "rmsprop")
 
 @dataclasses.dataclass(frozen=True)
 class IMPALAConfig:
-    """Hyperparameters; the defaults learn CartPole-v1 (16 envs per group, T = 32).
+    """Hyperparameters; the defaults learn CartPole-v1 with T = 32 (16 envs per group
+    learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py).
 
     Attributes:
       use_lstm: a resetting LSTM core between the torso and the heads (for partially
         observed envs); otherwise separate feed-forward policy and value MLPs.
       hidden_sizes: tanh layers of the MLPs (or of the torso before the LSTM).
       lstm_size: units of the LSTM core (only with use_lstm).
-      optimizer: "adam" (the default: robust across these small tasks with one setting)
-        or "rmsprop" (the paper's choice, decay 0.99, no momentum).
+      optimizer: "adam" (the default: one setting learns CartPole and cue recall; the
+        paper's RMSProp with eps 0.01 barely moved CartPole in 1M steps at lr 5e-4, its
+        eps being large next to these small gradients) or "rmsprop" (decay 0.99).
       learning_rate: the optimizer's step size.
       optimizer_eps: epsilon of Adam or RMSProp (the paper's RMSProp used 0.01).
       max_grad_norm: gradients are clipped to this global norm before the optimizer.
@@ -95,7 +97,7 @@ class IMPALAConfig:
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.c_bar > self.rho_bar:
-            # The paper's analysis assumes c_bar <= rho_bar (Remark 1 of section 4.1).
+            # The paper's analysis of V-trace assumes rho_bar >= c_bar (section 4.1).
             raise ValueError(
                 f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
 

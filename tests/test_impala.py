@@ -109,3 +109,46 @@ def test_a_trajectory_from_older_networks_is_corrected(no_leftovers):
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
     assert max(result.policy_lags) >= 1
     assert result.metrics["rho_mean"] != 1.0 and np.isfinite(result.metrics["loss"])
+
+
+def _experience(agent, nets, reward):
+    """A zero trajectory of 4 envs x 5 steps with `reward` everywhere, actions of the
+    learner's own policy (ratio 1)."""
+    trajectory = sebulba.zeros_trajectory(agent, nets, 4, 5)
+    steps = trajectory.env_steps._replace(
+        obs=jax.random.normal(jax.random.key(1), trajectory.env_steps.obs.shape),
+        reward=jnp.full((4, 6), reward, jnp.float32))
+    _, logits, _ = agent._unroll(nets, None, steps.obs[:, :-1], steps.first[:, :-1])
+    outputs = sebulba.ActorOutput(
+        action=trajectory.actor_outputs.action,
+        extras={"log_prob": jax.nn.log_softmax(logits)[..., 0]})
+    return agent.update_experience(None, agent._new_step_state(nets, jax.random.key(0), 4),
+                                   None, sebulba.Trajectory(steps, outputs), nets)
+
+
+@pytest.mark.timeout(60)
+def test_reward_clipping_bounds_the_rewards_learnt_from():
+    clipped = IMPALA(SPEC, IMPALAConfig(reward_clip=1.0))
+    plain = IMPALA(SPEC, IMPALAConfig())
+    nets = plain.new_networks(jax.random.key(0))
+
+    def loss(agent, reward):
+        return float(agent.loss(nets, (), _experience(agent, nets, reward))[0])
+
+    assert loss(clipped, 100.0) == pytest.approx(loss(plain, 1.0), rel=1e-5)
+    assert loss(plain, 100.0) != pytest.approx(loss(plain, 1.0), rel=1e-2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
+def test_an_optimizer_step_lowers_the_loss(optimizer):
+    agent = IMPALA(SPEC, IMPALAConfig(optimizer=optimizer, learning_rate=1e-4,
+                                      optimizer_eps=1e-8))
+    nets = agent.new_networks(jax.random.key(0))
+    experience = _experience(agent, nets, 1.0)
+    opt = agent._new_opt_state(nets, None)
+    loss_and_grad = jax.value_and_grad(lambda n: agent.loss(n, opt, experience)[0])
+    before, grads = loss_and_grad(nets)
+    nets, _ = agent.optimize_from_grads(nets, opt, grads)
+    after, _ = loss_and_grad(nets)
+    assert float(after) < float(before)

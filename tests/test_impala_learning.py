@@ -26,21 +26,12 @@ def train(env: str, total_env_steps: int, seed: int, agent_config: IMPALAConfig,
     return result
 
 
-@pytest.mark.timeout(300)
-def test_impala_learns_cartpole_in_150k_steps(no_leftovers):
-    # A uniformly random policy scores ~22. Measured last-10% means at 150k (first 10%):
-    # 263 (25), 202 (28), 236 (26) for seeds 0, 1, 2; ~25-40 s on 2 shared cores.
-    r = train("CartPole-v1", 150_000, seed=0, agent_config=IMPALAConfig())
-    last, first = r.mean_return(0.9, 1.0), r.mean_return(0.0, 0.1)
-    assert last >= 150 and last >= 2 * first, r.summary()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_impala_solves_cartpole_in_1m_steps(no_leftovers):
-    # Measured last-10% means at 1M with 32 envs per group: 498, 500, 500 (seeds 0, 1, 2);
-    # ~50-60 s each on 2 shared cores. With 16 envs per group (updates twice as often,
-    # from half the data) it peaks at 500 sooner but can collapse late: 483, 123, 278.
+    # A uniformly random policy scores ~22. Measured last-10% means at 1M with 32 envs per
+    # group: 498, 500, 500 (seeds 0, 1, 2); ~40-60 s each on 2 shared cores, so this runs
+    # by default. With 16 envs per group (updates twice as often, from half the data) it
+    # learns sooner (263, 202, 236 at 150k) but can collapse late: 483, 123, 278 at 1M.
     r = train("CartPole-v1", 1_000_000, seed=0, agent_config=IMPALAConfig(), envs_per_group=32)
     assert r.mean_return(0.9, 1.0) >= 300, r.summary()
 
@@ -51,7 +42,7 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     # must be named at the last. The query observation is the same whichever cue was
     # shown, so a feed-forward policy's answer is independent of the cue and is right
     # with probability 1/2 whatever it learns: its expected return is exactly 0.5 (the
-    # last 10% of 120k steps holds ~1,700 episodes, a standard error of ~0.012). The LSTM
+    # last 10% of 120k steps holds ~1,500 episodes: a standard error of ~0.013). The LSTM
     # must carry the cue over 6 steps.
     # Measured last-10% means at 120k, LSTM: 0.993, 0.993, 0.995; feed-forward: 0.492,
     # 0.484, 0.504 (seeds 0, 1, 2); ~20-40 s per run on 2 shared cores.
