@@ -56,7 +56,7 @@ def experience_with(agent: R2D2, nets, sequences: Sequence, priorities) -> objec
     return exp._replace(replay=replay)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_config_errors_name_the_value_and_the_expectation():
     with pytest.raises(ValueError, match="n_step must be an int >= 1, got 0"):
         R2D2Config(n_step=0)
@@ -77,7 +77,7 @@ def test_config_errors_name_the_value_and_the_expectation():
         agent.new_state(agent.new_networks(jax.random.key(0)), jax.random.key(1), layout)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_exploration_rates_spread_over_all_envs():
     agent = R2D2(SPEC, small_config())
     state = agent._new_step_state(None, jax.random.key(0), 8)
@@ -86,7 +86,7 @@ def test_exploration_rates_spread_over_all_envs():
     np.testing.assert_array_equal(state.env_index, np.arange(8))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_n_step_returns_stop_at_episode_ends_and_the_sequence_end():
     # Steps 0..6; step 3 terminates (step 4 is a reset), step 6 is the sequence's end.
     reward = jnp.array([0.0, 1.0, 2.0, 4.0, 0.0, 8.0, 16.0])
@@ -140,7 +140,7 @@ def act_and_record(agent, nets, step_state, envs, rng, cycles, T):
     return items, stream
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("length", [8, 12])  # K = 2 and 3 trajectories per sequence
 def test_sequences_hold_the_actors_states_and_steps(length):
     T, E, D = 4, 4, 2  # envs per group, learner devices: this shard gets rows 2 and 3
@@ -190,7 +190,7 @@ def test_sequences_hold_the_actors_states_and_steps(length):
     assert seen == 4 * per_env
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_burn_in_steps_contribute_zero_gradient():
     # Observation entry 0 is non-zero only during the burn-in. The torso's first kernel
     # row for that entry gets gradient only through burn-in steps, so it must be zero.
@@ -206,16 +206,17 @@ def test_burn_in_steps_contribute_zero_gradient():
             losses, _, _ = agent.sequence_losses({**nets, "online": online}, seqs)
             return jnp.mean(losses)
 
-        g = jax.grad(loss)(nets["online"])
+        g = jax.jit(jax.grad(loss))(nets["online"])
         return np.asarray(g["params"]["torso"]["Dense_0"]["kernel"])
 
-    np.testing.assert_array_equal(grads(burn_in=3)[0], 0.0)
-    assert np.abs(grads(burn_in=3)[1:]).max() > 0
+    kernel_grad = grads(burn_in=3)
+    np.testing.assert_array_equal(kernel_grad[0], 0.0)
+    assert np.abs(kernel_grad[1:]).max() > 0
     # Learning from those steps (no burn-in) does reach the row: the test can fail.
     assert np.abs(grads(burn_in=0)[0]).max() > 1e-6
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_state_resets_where_an_episode_starts_inside_a_sequence():
     cfg = small_config(burn_in=3)
     agent = R2D2(SPEC, cfg)
@@ -232,12 +233,13 @@ def test_state_resets_where_an_episode_starts_inside_a_sequence():
     seqs = seqs._replace(
         env_steps=steps, action=seqs.action.at[1].set(seqs.action[0]),
         lstm=jax.tree.map(lambda x: x.at[1].set(-3.0 * x[0] + 1.0), seqs.lstm))
-    losses, priorities, _ = agent.sequence_losses(nets, seqs)
+    sequence_losses = jax.jit(agent.sequence_losses)
+    losses, priorities, _ = sequence_losses(nets, seqs)
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     np.testing.assert_allclose(priorities[0], priorities[1], rtol=1e-5)
     # Without the reset the stored states would matter.
     no_reset = seqs._replace(env_steps=steps._replace(first=steps.first.at[:, 3].set(False)))
-    losses, _, _ = agent.sequence_losses(nets, no_reset)
+    losses, _, _ = sequence_losses(nets, no_reset)
     assert abs(float(losses[0] - losses[1])) > 1e-6
     # Acting resets too: a `first` step from any state acts as from the zero state.
     env_step = EnvStep(steps.obs[:, 3], steps.reward[:, 3], jnp.zeros(2, bool),
@@ -249,23 +251,23 @@ def test_state_resets_where_an_episode_starts_inside_a_sequence():
     np.testing.assert_allclose(s_a.lstm.hidden, s_b.lstm.hidden, rtol=1e-6)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_importance_weights_scale_the_loss():
     cfg = small_config(importance_exponent=1.0)
     agent = R2D2(SPEC, cfg)
     nets = agent.new_networks(jax.random.key(0))
     seqs = random_sequences(jax.random.key(1), 16, cfg)
     experience = experience_with(agent, nets, seqs, np.linspace(0.05, 5.0, 16))
-    loss, (new_exp, _) = agent.loss(nets, None, experience)
+    loss, _ = jax.jit(agent.loss)(nets, None, experience)
     _, sample_key = jax.random.split(experience.key)
     batch = rp.sample(experience.replay, sample_key, cfg.batch_size, cfg.priority_exponent,
                       cfg.importance_exponent)
-    losses, _, _ = agent.sequence_losses(nets, batch.items)
+    losses, _, _ = jax.jit(agent.sequence_losses)(nets, batch.items)
     assert np.min(batch.weights) < 0.5  # the weights differ
     np.testing.assert_allclose(loss, jnp.mean(batch.weights * losses), rtol=1e-5)
     assert abs(float(loss - jnp.mean(losses))) > 1e-3 * float(jnp.mean(losses))
     unweighted = R2D2(SPEC, small_config(importance_exponent=0.0))
-    loss0, _ = unweighted.loss(nets, None, experience)
+    loss0, _ = jax.jit(unweighted.loss)(nets, None, experience)
     np.testing.assert_allclose(loss0, jnp.mean(losses), rtol=1e-5)
 
 
@@ -276,7 +278,7 @@ def one_learner_step(agent, nets, opt, experience):
     return jax.tree.map(lambda x: x[0], out)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     cfg = small_config(target_update_period=2)
     agent = R2D2(SPEC, cfg)
@@ -288,7 +290,7 @@ def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     sample_key = jax.random.fold_in(sample_key, 0)  # learner device 0's draw
     batch = rp.sample(experience.replay, sample_key, cfg.batch_size, cfg.priority_exponent,
                       cfg.importance_exponent)
-    _, expected, _ = agent.sequence_losses(nets, batch.items)
+    _, expected, _ = jax.jit(agent.sequence_losses)(nets, batch.items)
 
     new_nets, new_opt, new_exp, metrics = one_learner_step(agent, nets, opt, experience)
     drawn = np.asarray(batch.indices)
@@ -307,7 +309,7 @@ def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     jax.tree.map(np.testing.assert_array_equal, nets2["target"], nets2["online"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_warm_up_changes_nothing_until_the_replay_holds_min_replay_size():
     cfg = small_config(min_replay_size=17)
     agent = R2D2(SPEC, cfg)
@@ -322,7 +324,7 @@ def test_warm_up_changes_nothing_until_the_replay_holds_min_replay_size():
     np.testing.assert_array_equal(new_exp.replay.priorities, experience.replay.priorities)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers):
     # Learning never starts (min_replay_size = capacity), so the networks stay the
     # initial ones and the learner can recompute what the actors did: a sequence's
@@ -336,6 +338,7 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
                             async_factor=2, learner_devices=[0, 1], seed=3)
     result = sebulba.Sebulba(agent, config).run(2 * E * T * 12)
     nets = result.state.nets
+    unroll = jax.jit(agent.unroll)
     assert result.learner_updates == 0 or result.metrics["learning"] == 0.0
     for device in range(2):
         exp = jax.tree.map(lambda x, d=device: x[d], result.learner_experience)
@@ -355,17 +358,17 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
                 np.testing.assert_array_equal(seq_a.env_steps.obs[T:], seq_b.env_steps.obs[:T + 1])
                 np.testing.assert_array_equal(seq_a.action[T:], seq_b.action[:T])
                 # ... and the stored state is the actors' state at the sequence's start.
-                state, _ = agent.unroll(nets["online"],
-                                        jax.tree.map(lambda x: x[None], seq_a.lstm),
-                                        seq_a.env_steps.obs[None, :T],
-                                        seq_a.env_steps.first[None, :T])
+                state, _ = unroll(nets["online"],
+                                  jax.tree.map(lambda x: x[None], seq_a.lstm),
+                                  seq_a.env_steps.obs[None, :T],
+                                  seq_a.env_steps.first[None, :T])
                 np.testing.assert_allclose(state.hidden[0], seq_b.lstm.hidden, atol=1e-5)
                 np.testing.assert_allclose(state.cell[0], seq_b.lstm.cell, atol=1e-5)
                 checked += 1
         assert checked >= 4
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_value_rescaling_is_applied_to_targets():
     # With rewards of 100 the rescaled target is h(100 + ...) ~ 9, not ~100.
     cfg = small_config(burn_in=0, n_step=1, discount=0.0)
@@ -376,5 +379,5 @@ def test_value_rescaling_is_applied_to_targets():
         agent = R2D2(SPEC, small_config(burn_in=0, n_step=1, discount=0.0,
                                         value_rescaling=rescaled))
         nets = agent.new_networks(jax.random.key(0))
-        _, priorities, metrics = agent.sequence_losses(nets, seqs)
+        _, _, metrics = jax.jit(agent.sequence_losses)(nets, seqs)
         assert float(metrics["abs_td"]) == pytest.approx(target, abs=2.0)
