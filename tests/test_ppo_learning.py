@@ -11,6 +11,7 @@ from agents.ppo import PPO, PPOConfig
 CARTPOLE = "CartPole-v1"  # a uniformly random policy scores ~22
 CUE_RECALL = "sebulba/CueRecall-v0"
 CUES = {"num_cues": 4, "delay": 5}  # episodes of 7 steps: cue, 5 blanks, query
+NO_VELOCITY = "sebulba/CartPoleNoVelocity-v1"
 
 
 def train(env: str, total_env_steps: int, seed: int, env_kwargs=None,
@@ -62,3 +63,24 @@ def test_lstm_ppo_recalls_a_cue_that_feed_forward_ppo_cannot(no_leftovers):
     feed_forward = train(CUE_RECALL, 60_000, seed=0, env_kwargs=CUES, **common)
     assert lstm.mean_return(0.9, 1.0) >= 0.9, lstm.summary()
     assert feed_forward.mean_return(0.9, 1.0) <= 0.4, feed_forward.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_lstm_ppo_balances_cartpole_without_velocities(no_leftovers):
+    """Position and angle only: a policy must infer the velocities from past observations.
+
+    Not a proof like cue recall (a reactive policy on the angle alone does balance for a
+    while), but a large measured gap with the same settings: the feed-forward agent stays
+    below 100 where the LSTM agent passes 150.
+    """
+    # Measured last-10% means at 200k steps, LSTM: 312, 244, 318 (seeds 0, 1, 2);
+    # feed-forward: 45, 45 (seeds 0, 1). ~45-115 s (LSTM) + ~20-40 s on 2 cores. More epochs, a shorter
+    # horizon (discount 0.98, lambda 0.8) and no value clipping than the CartPole defaults:
+    # with the defaults the LSTM reached 73 at 300k.
+    common = dict(hidden_sizes=(64,), learning_rate=1e-3, num_epochs=10, gae_lambda=0.8,
+                  discount=0.98, entropy_cost=0.0, clip_value_loss=False)
+    lstm = train(NO_VELOCITY, 200_000, seed=0, use_lstm=True, **common)
+    feed_forward = train(NO_VELOCITY, 200_000, seed=0, **common)
+    assert lstm.mean_return(0.9, 1.0) >= 150, lstm.summary()
+    assert feed_forward.mean_return(0.9, 1.0) < 100, feed_forward.summary()
