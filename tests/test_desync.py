@@ -90,3 +90,22 @@ def test_desync_spreads_the_episode_phases_in_the_buffer(no_leftovers):
     # Measured (seed 3): 11 distinct phases over 16 envs, from 1 to 23; without desync all 7.
     assert len(set(spread.tolist())) >= 8, spread
     assert spread.max() - spread.min() >= EPISODE_LENGTH // 2, spread
+
+
+@pytest.mark.timeout(120)
+def test_factories_are_desynced_in_subprocess_workers_too(no_leftovers):
+    vec = make_vector_env(limited_counting_env, 2, "async", desync_episodes=True)
+    try:
+        stepper = HostEnvStepper(vec)
+        stepper.reset(seed=0)
+        cuts = [DesyncFirstEpisode(limited_counting_env()) for _ in range(2)]
+        for seed, env in enumerate(cuts):
+            env.reset(seed=seed)
+        ends = []
+        for t in range(1, EPISODE_LENGTH + 1):
+            env_step, _ = stepper.step(np.zeros(2, np.int64))
+            ends += [(i, t) for i in np.flatnonzero(env_step.truncated)]
+        # Each worker cuts its first episode where the same wrapper in-process does.
+        assert sorted(ends) == [(i, env.first_episode_length) for i, env in enumerate(cuts)]
+    finally:
+        vec.close()
