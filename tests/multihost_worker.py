@@ -1,6 +1,10 @@
 """One process of a multi-process Sebulba run on this machine (used by test_multihost.py).
 
-    python -m tests.multihost_worker PORT NUM_PROCESSES PROCESS_ID MODE OUT_DIR
+    python -m tests.multihost_worker PORT NUM_PROCESSES PROCESS_ID MODE OUT_DIR [ARGS...]
+
+MODE "ppo" takes ARGS ENVS_PER_GROUP NUM_LEARNER_DEVICES TOTAL_ENV_STEPS SEED; with
+NUM_PROCESSES 1 it is a plain single-process run (no jax.distributed), the reference a
+cluster is compared with.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import functools  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 
 import jax  # noqa: E402
@@ -19,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sebulba  # noqa: E402
+from agents.ppo import PPO, PPOConfig  # noqa: E402
 from sebulba import distributed  # noqa: E402
 from tests.counting_agent import CountingAgent  # noqa: E402
 from tests.envs import CountingEnv, PidRecordingEnv  # noqa: E402
@@ -34,10 +40,33 @@ class DataDependentCounting(CountingAgent):
         return jnp.square(nets["w"] - target), (experience, {"w": nets["w"]})
 
 
-def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str) -> None:
+def train_ppo(envs_per_group: int, num_learners: int, total_env_steps: int, seed: int) -> dict:
+    """PPO on CartPole-v1 with test_ppo_learning's settings except envs and learner devices."""
+    config = sebulba.Config(env="CartPole-v1", envs_per_group=envs_per_group, steps_per_cycle=32,
+                            async_factor=2, vectorization="sync", inference_devices=[0],
+                            learner_devices=list(range(num_learners)), seed=seed)
+    result = sebulba.Sebulba(PPO(sebulba.env_spec(config.env), PPOConfig()), config).run(
+        total_env_steps)
+    nets = b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(result.state.nets))
+    return {"result": {k: v for k, v in result.as_dict().items() if k != "metrics"},
+            "episodes": result.episodes,
+            "accounted": result.env_steps == result.consumed + result.dropped + result.in_flight,
+            "nets_sha256": hashlib.sha256(nets).hexdigest()}
+
+
+def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str,
+         *args: str) -> None:
+    out = os.path.join(out_dir, f"process{process_id}")
+    if mode == "ppo":
+        if int(num_processes) > 1:
+            distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
+                                   heartbeat_timeout_seconds=30)
+        report = train_ppo(*(int(a) for a in args))
+        with open(out + ".json", "w") as f:
+            json.dump(report, f)
+        return
     distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
                            heartbeat_timeout_seconds=10)
-    out = os.path.join(out_dir, f"process{process_id}")
     if mode in ("counting", "hang"):
         if mode == "hang":  # async workers that record their pids, to check they end
             env = functools.partial(PidRecordingEnv, out_dir)
