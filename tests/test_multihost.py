@@ -52,7 +52,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
 
 @pytest.mark.parametrize("num_processes", [2, 3])
 @pytest.mark.timeout(240)
-def test_processes_learn_as_one(num_processes, tmp_path):
+def test_processes_learn_as_one(num_processes, tmp_path, no_leftovers):
     results = _finish(_start(num_processes, "counting", tmp_path), timeout=200)
     for rc, err in results:
         assert rc == 0, err[-3000:]
@@ -79,7 +79,7 @@ def test_processes_learn_as_one(num_processes, tmp_path):
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
 @pytest.mark.timeout(180)
-def test_a_failed_peer_ends_the_others(how, tmp_path):
+def test_a_failed_peer_ends_the_others(how, tmp_path, no_leftovers):
     procs = _start(2, "hang", tmp_path)
     try:
         deadline = time.monotonic() + 120
