@@ -174,3 +174,19 @@ def test_importance_weights_multiply_the_policy_loss():
     np.testing.assert_allclose(halved["pg_loss"], 0.5 * metrics["pg_loss"], rtol=1e-5)
     np.testing.assert_allclose(halved["value_loss"], metrics["value_loss"], rtol=1e-6)
     assert abs(float(metrics["pg_loss"])) > 1e-4
+
+
+@pytest.mark.timeout(180)
+def test_lstm_ppo_runs_on_segments_across_two_learner_devices(no_leftovers):
+    env, kwargs = "sebulba/CueRecall-v0", {"num_cues": 2, "delay": 3}
+    agent = PPO(sebulba.env_spec(env, kwargs),
+                PPOConfig(use_lstm=True, hidden_sizes=(16,), lstm_size=16, bptt_horizon=4,
+                          num_minibatches=2, num_epochs=1, prio_alpha=0.5, num_segments=16))
+    config = sebulba.Config(env=env, env_kwargs=kwargs, envs_per_group=4, steps_per_cycle=16,
+                            async_factor=2, inference_devices=[0], learner_devices=[1, 2])
+    result = sebulba.Sebulba(agent, config).run(4 * 16 * 6)
+    assert result.learner_updates == 2 * result.consumed // (4 * 16)
+    assert np.isfinite(result.metrics["loss"]) and 0 < result.metrics["importance_weight"] <= 1
+    # Each learner device holds its 2 envs' 8 segments, with the actor's state at their starts.
+    batch = result.state.experience.batch
+    assert batch.obs.shape[:2] == (8, 4) and batch.core.cell.shape == (8, 16)
