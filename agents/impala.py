@@ -24,7 +24,7 @@ import optax
 
 import sebulba
 from agents.common import policy
-from agents.common.networks import SeparatePolicyValueMLP
+from agents.common.networks import policy_value_network
 from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
@@ -123,8 +123,8 @@ class IMPALA(sebulba.Agent):
             self.network = LSTMPolicyValue(env_spec.num_actions, tuple(config.hidden_sizes),
                                            config.lstm_size, obs_rank=obs_rank)
         else:
-            self.network = SeparatePolicyValueMLP(
-                env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=obs_rank)
+            self.network = policy_value_network(
+                env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes)
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
         else:

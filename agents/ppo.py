@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common.networks import SeparatePolicyValueMLP
+from agents.common.networks import policy_value_network
 from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
 from agents.common.returns import action_mask, gae_advantages
 from sebulba import segments
@@ -147,8 +147,8 @@ class PPO(sebulba.Agent):
             self.network = LSTMPolicyValue(env_spec.num_actions, tuple(config.hidden_sizes),
                                            config.lstm_size, obs_rank)
         else:
-            self.network = SeparatePolicyValueMLP(
-                env_spec.num_actions, tuple(config.hidden_sizes), obs_rank=obs_rank)
+            self.network = policy_value_network(
+                env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),
             optax.adam(config.learning_rate, eps=config.adam_eps),

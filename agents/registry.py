@@ -7,7 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import sebulba
+from agents.impala import IMPALA, IMPALAConfig
 from agents.ppo import PPO, PPOConfig
+from agents.r2d2 import R2D2, R2D2Config
 from agents.spg import SPG, SPGConfig
 
 
@@ -24,6 +26,8 @@ class AgentEntry:
 
 
 AGENTS: dict[str, AgentEntry] = {
+    "impala": AgentEntry(IMPALAConfig, IMPALA),
     "ppo": AgentEntry(PPOConfig, PPO),
+    "r2d2": AgentEntry(R2D2Config, R2D2),
     "spg": AgentEntry(SPGConfig, SPG),
 }

@@ -36,6 +36,9 @@ _VECTORIZATION = flags.DEFINE_enum(
     "sync: envs step in the inferencer thread; async: one subprocess per env.")
 _ASYNC_FACTOR = flags.DEFINE_integer(
     "async_factor", 2, "Env groups per inference device (2 = double buffering).")
+_DESYNC = flags.DEFINE_bool(
+    "desync_episodes", False,
+    "Cut each env's first episode at a random length, so envs are not all at the same phase.")
 _STEPS_PER_CYCLE = flags.DEFINE_integer("steps_per_cycle", 64, "Env steps per inference cycle.")
 _INFERENCE_DEVICES = flags.DEFINE_list(
     "inference_devices", ["0"], "Local device indices that run inference.")
@@ -94,8 +97,15 @@ def main(argv: list[str]) -> None:
     try:  # every bad value is reported here, before envs, threads or devices start
         agent_config = config_from_flags(
             AGENTS[_AGENT.value].config_class, _AGENT_FLAGS[_AGENT.value])
+        for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
+            if holder.value < 1:
+                raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
+        # Join the cluster before anything touches JAX devices (Config resolves them).
+        if _COORDINATOR.value is not None:
+            distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         config = sebulba.Config(
             env=_ENV.value,
+            desync_episodes=_DESYNC.value,
             envs_per_group=_NUM_ENVS.value,
             vectorization=_VECTORIZATION.value,
             async_factor=_ASYNC_FACTOR.value,
@@ -104,13 +114,8 @@ def main(argv: list[str]) -> None:
             learner_devices=_indices("learner_devices", _LEARNER_DEVICES.value),
             seed=_SEED.value,
         )
-        for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
-            if holder.value < 1:
-                raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
     except (ValueError, TypeError) as e:
         raise app.UsageError(str(e)) from None
-    if _COORDINATOR.value is not None:
-        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     primary = jax.process_index() == 0
     loop = build(_AGENT.value, agent_config, config)
     metadata = run_metadata(_AGENT.value, agent_config, config)
