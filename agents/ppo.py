@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
+from agents.common import policy
 from agents.common.networks import policy_value_network
 from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
 from agents.common.returns import action_mask, gae_advantages
@@ -208,9 +209,8 @@ class PPO(sebulba.Agent):
         self, step_state: PPOStepState, nets: Nets, env_step: EnvStep
     ) -> tuple[sebulba.ActorOutput, PPOStepState]:
         logits, core = self._act_logits(step_state, nets, env_step)  # [E, A]
-        keys = jax.vmap(jax.random.split)(step_state.key)  # [E, 2]
-        action = jax.vmap(jax.random.categorical)(keys[:, 0], logits)
-        return self._actor_output(logits, action, step_state), PPOStepState(keys[:, 1], core)
+        action, key = policy.sample(step_state.key, logits)
+        return self._actor_output(logits, action, step_state), PPOStepState(key, core)
 
     def greedy_step(
         self, step_state: PPOStepState, nets: Nets, env_step: EnvStep
@@ -229,10 +229,10 @@ class PPO(sebulba.Agent):
                       step_state: PPOStepState) -> sebulba.ActorOutput:
         """Records log pi(action | obs) [E] of the acting policy for the learner's ratio and,
         for the LSTM, the state [E, lstm_size] acted from (a segment's training start)."""
-        extras = {"log_prob": _log_prob(logits, action)}
+        output = policy.actor_output(logits, action)
         if self.config.use_lstm:
-            extras["core"] = step_state.core
-        return sebulba.ActorOutput(action=action, extras=extras)
+            output.extras["core"] = step_state.core
+        return output
 
     # Experience: one trajectory shard, cut into segments, with each step's minibatch.
 
@@ -296,12 +296,10 @@ class PPO(sebulba.Agent):
 
         def masked_mean(x: jax.Array) -> jax.Array:
             # Actions the env ignored (at the last step of an episode) carry no signal.
-            return jnp.sum(x * b.mask) / jnp.maximum(jnp.sum(b.mask), 1.0)
+            return policy.masked_mean(x, b.mask)
 
         _, logits, value = self._unroll(nets, b.core, b.obs, b.first)  # [B, H, A], [B, H]
-        log_probs = jax.nn.log_softmax(logits)
-        log_prob = jnp.take_along_axis(log_probs, b.action[..., None], axis=-1)[..., 0]
-        log_ratio = log_prob - b.behaviour_log_prob
+        log_ratio = policy.log_prob(logits, b.action) - b.behaviour_log_prob
         ratio = jnp.exp(log_ratio)
 
         advantage = b.advantage
@@ -320,7 +318,7 @@ class PPO(sebulba.Agent):
             value_error = jnp.maximum(value_error, (clipped - target) ** 2)
         value_loss = 0.5 * masked_mean(value_error)
 
-        entropy = masked_mean(-jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1))
+        entropy = masked_mean(policy.entropy(logits))
         loss = pg_loss + cfg.value_cost * value_loss - cfg.entropy_cost * entropy
         metrics = {
             "pg_loss": pg_loss,
@@ -346,9 +344,3 @@ class PPO(sebulba.Agent):
     ) -> tuple[Nets, OptState]:
         updates, opt = self.optimizer.update(grads, opt, nets)
         return optax.apply_updates(nets, updates), opt
-
-
-def _log_prob(logits: jax.Array, action: jax.Array) -> jax.Array:
-    """log pi(action) [...] from logits [..., A] and int actions [...]."""
-    log_probs = jax.nn.log_softmax(logits)
-    return jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]

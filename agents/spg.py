@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
+from agents.common import policy
 from agents.common.networks import policy_value_network
 from agents.common.returns import action_mask, bootstrapped_returns
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
@@ -82,9 +83,8 @@ class SPG(sebulba.Agent):
         self, step_state: SPGStepState, nets: Nets, env_step: EnvStep
     ) -> tuple[sebulba.ActorOutput, SPGStepState]:
         logits, _ = self.network.apply(nets, env_step.obs)
-        keys = jax.vmap(jax.random.split)(step_state.key)  # [E, 2]
-        action = jax.vmap(jax.random.categorical)(keys[:, 0], logits)
-        return sebulba.ActorOutput(action=action), SPGStepState(key=keys[:, 1])
+        action, key = policy.sample(step_state.key, logits)
+        return sebulba.ActorOutput(action=action), SPGStepState(key=key)
 
     def greedy_step(
         self, step_state: SPGStepState, nets: Nets, env_step: EnvStep
@@ -114,13 +114,12 @@ class SPG(sebulba.Agent):
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
         logits, values = logits[:, :-1], values[:, :-1]
         advantage = returns - values
-        log_probs = jax.nn.log_softmax(logits)
-        chosen = jnp.take_along_axis(log_probs, actions[..., None], axis=-1)[..., 0]
-        entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+        chosen = policy.log_prob(logits, actions)
+        entropy = policy.entropy(logits)
 
         def masked_mean(x: jax.Array) -> jax.Array:
             # Actions the env ignored (at the last step of an episode) carry no signal.
-            return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            return policy.masked_mean(x, mask)
 
         pg_loss = -masked_mean(chosen * jax.lax.stop_gradient(advantage))
         value_loss = 0.5 * masked_mean(advantage**2)
