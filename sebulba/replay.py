@@ -109,14 +109,31 @@ def insert(replay: Replay, items: PyTree, mask: jax.Array | None = None) -> Repl
     )
 
 
+def power_probabilities(
+    priorities: jax.Array, alpha: float, valid: jax.Array | None = None
+) -> jax.Array:
+    """P(i) = p_i^alpha / sum_k p_k^alpha over the valid rows (shared with segment sampling).
+
+    Args:
+      priorities: [N] >= 0.
+      alpha: >= 0; 0 is uniform over the valid rows.
+      valid: [N] bool, or None for all rows. Invalid rows get 0 even for alpha = 0
+        (where 0^0 would be 1).
+    Returns:
+      [N] probabilities summing to 1; uniform over all N rows if no valid row has weight.
+    """
+    powered = priorities.astype(jnp.float32) ** alpha
+    if valid is not None:
+        powered = jnp.where(valid, powered, 0.0)
+    total = jnp.sum(powered)
+    uniform = jnp.full_like(powered, 1.0 / powered.shape[0])
+    return jnp.where(total > 0, powered / jnp.where(total > 0, total, 1.0), uniform)
+
+
 def probabilities(replay: Replay, alpha: float) -> jax.Array:
     """[C] P(i) = p_i^alpha / sum p^alpha over held rows; uniform over all rows while empty."""
-    held = jnp.arange(replay.capacity) < replay.size
-    # Rows never written stay at 0 even for alpha = 0 (where 0^0 would be 1).
-    powered = jnp.where(held, replay.priorities ** alpha, 0.0)
-    total = jnp.sum(powered)
-    uniform = jnp.full_like(powered, 1.0 / replay.capacity)
-    return jnp.where(total > 0, powered / jnp.where(total > 0, total, 1.0), uniform)
+    return power_probabilities(
+        replay.priorities, alpha, jnp.arange(replay.capacity) < replay.size)
 
 
 def sample(replay: Replay, key: jax.Array, batch_size: int, alpha: float,

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sebulba.replay import power_probabilities
 from sebulba.types import PyTree
 
 
@@ -166,12 +167,7 @@ def segment_probabilities(advantages: jax.Array, alpha: float) -> jax.Array:
     Returns:
       [N] float32 probabilities summing to 1 (uniform if every segment's sum is 0).
     """
-    n = advantages.shape[0]
-    if alpha == 0:
-        return jnp.full((n,), 1.0 / n, jnp.float32)
-    priority = jnp.sum(jnp.abs(advantages), axis=1).astype(jnp.float32) ** alpha
-    total = jnp.sum(priority)
-    return jnp.where(total > 0, priority / jnp.where(total > 0, total, 1.0), 1.0 / n)
+    return power_probabilities(jnp.sum(jnp.abs(advantages), axis=1), alpha)
 
 
 def importance_weights(probabilities: jax.Array, beta: jax.Array | float) -> jax.Array:
