@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -187,13 +187,19 @@ class Agent(abc.ABC):
         return sharding.shard_env_axis(step_state, learner_devices)
 
 
-def combine_partitions(diff: Nets, fixed: Nets | None) -> Nets:
-    """Inverse of `Agent.partition_for_grad`."""
+def combine_partitions(diff: Nets | None, fixed: Nets | None) -> Nets:
+    """Inverse of `Agent.partition_for_grad`: where one part is None (a leaf or a whole
+    subtree), the other part's entry is taken."""
+    if diff is None:
+        return fixed
     if fixed is None:
         return diff
-    return jax.tree.map(
-        lambda a, b: b if a is None else a, diff, fixed, is_leaf=lambda x: x is None
-    )
+    if isinstance(diff, Mapping):
+        return type(diff)({k: combine_partitions(diff[k], fixed[k]) for k in diff})
+    if isinstance(diff, tuple | list):
+        merged = [combine_partitions(a, b) for a, b in zip(diff, fixed, strict=True)]
+        return type(diff)(*merged) if hasattr(diff, "_fields") else type(diff)(merged)
+    raise ValueError(f"both partitions hold a value here: {diff!r} and {fixed!r}")
 
 
 def zeros_trajectory(agent: Agent, nets: Nets, num_envs: int, steps_per_cycle: int) -> Trajectory:

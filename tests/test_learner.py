@@ -103,3 +103,18 @@ def test_default_shard_step_state_rejects_indivisible_env_axis():
     state = CountingStepState(jnp.zeros(3, jnp.int32), jnp.zeros(3))
     with pytest.raises(ValueError, match="has 3 envs, not divisible by 2"):
         agent.shard_step_state(state, jax.devices()[:2])
+
+
+@pytest.mark.timeout(60)
+def test_combine_partitions_takes_none_leaves_and_subtrees_from_the_other_part():
+    online = {"w": jnp.ones(2), "b": jnp.zeros(1)}
+    target = {"w": 2 * jnp.ones(2), "b": jnp.ones(1)}
+    diff = {"online": online, "target": None}
+    fixed = {"online": None, "target": target}
+    nets = sebulba.combine_partitions(diff, fixed)
+    assert nets["online"] is online and nets["target"] is target
+    leafwise = sebulba.combine_partitions({"a": jnp.ones(1), "b": None},
+                                          {"a": None, "b": jnp.zeros(1)})
+    assert float(leafwise["a"][0]) == 1.0 and float(leafwise["b"][0]) == 0.0
+    with pytest.raises(ValueError, match="both partitions hold a value"):
+        sebulba.combine_partitions({"a": jnp.ones(1)}, {"a": jnp.ones(1)})
