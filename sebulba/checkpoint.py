@@ -76,8 +76,12 @@ class Checkpointer:
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
         )
         if primary_only and jax.process_count() > 1:
+            # orbax will not create the root for a subset of processes; every process
+            # reads the checkpoints (to resume), so all make sure the directory exists.
+            os.makedirs(self.directory, exist_ok=True)
             options = dataclasses.replace(
                 options,
+                create=False,
                 multiprocessing_options=ocp.options.MultiprocessingOptions(
                     primary_host=jax.process_index(), active_processes={jax.process_index()}
                 ),

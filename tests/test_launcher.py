@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -103,3 +104,32 @@ def test_atari_ids_train_through_ale_py(vectorization):
                  "--progress=false")
     assert result.returncode == 0, result.stderr[-3000:]
     assert last_json(result.stdout)["consumed"] >= 24
+
+
+@pytest.mark.timeout(240)
+def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
+    # The README's across-machines command, on 127.0.0.1: it must join the cluster
+    # before anything touches JAX devices.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "examples.train", f"--coordinator_address=127.0.0.1:{port}",
+         "--num_processes=2", f"--process_id={i}", "--total_env_steps=4000",
+         f"--logdir={tmp_path / 'run'}", *SMALL],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    primary = last_json(outputs[0][0])
+    assert primary["num_processes"] == 2 and primary["global_consumed"] >= 4000
+    assert primary["consumed"] < primary["global_consumed"]  # the other process fed half
+    assert not [line for line in outputs[1][0].splitlines() if line.startswith("{")]  # logs once
+    assert os.listdir(tmp_path / "run" / "checkpoints")  # written by process 0
