@@ -1,7 +1,7 @@
 """Proximal Policy Optimization (Schulman et al., 2017) with GAE(lambda), on segments.
 
 Each received trajectory shard [E, T] is learnt from for `num_epochs` epochs of
-`num_minibatches` minibatches of segments (`sebulba.segments`): every env's stream is
+`num_minibatches` minibatches of segments (`sebulba.experience.segments`): every env's stream is
 cut into segments of `bptt_horizon` steps (the whole trajectory by default), optionally
 sampled in proportion to their summed |advantage|^prio_alpha with importance weights on
 the policy loss. The advantages are computed once per trajectory, in
@@ -30,7 +30,7 @@ from agents.common import policy
 from agents.common.networks import policy_value_network
 from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
 from agents.common.returns import action_mask, gae_advantages
-from sebulba import segments
+from sebulba.experience import segments
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
 
 

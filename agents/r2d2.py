@@ -28,7 +28,7 @@ How it fits the Sebulba loop:
   training (the same `ResetLSTM`); the action at an episode's last step was ignored by
   the env and is masked out of the loss; `terminated` bootstraps 0, `truncated` and the
   sequence's end bootstrap from the target network.
-- Replay: `sebulba.replay`, one per learner device (the framework keeps one experience
+- Replay: `sebulba.experience.replay`, one per learner device (the framework keeps one experience
   per learner device), `replay_capacity` sequences each; new sequences enter at the
   largest priority seen, priorities are eta max|td| + (1 - eta) mean|td| over the
   learnt steps and are written back by `loss`, which returns the updated experience.
@@ -64,7 +64,7 @@ from agents.common.networks import MLP, flatten_trailing
 from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
-from sebulba import replay as rp
+from sebulba.experience import replay as rp
 from sebulba.sharding import LEARNER_AXIS
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 

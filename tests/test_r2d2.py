@@ -13,7 +13,7 @@ import sebulba
 from agents.common.recurrent import initial_lstm_state
 from agents.common.value_rescaling import rescale
 from agents.r2d2 import R2D2, R2D2Config, Sequence, n_step_returns
-from sebulba import replay as rp
+from sebulba.experience import replay as rp
 from sebulba.learner import LearnerFunctions
 from sebulba.types import EnvStep, Trajectory
 

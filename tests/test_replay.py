@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sebulba import replay as rp
+from sebulba.experience import replay as rp
 
 ITEM = {"x": jnp.zeros((2,), jnp.float32), "id": jnp.zeros((), jnp.int32)}
 

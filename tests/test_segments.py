@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sebulba import segments
+from sebulba.experience import segments
 
 
 @pytest.mark.timeout(30)

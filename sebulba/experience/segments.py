@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sebulba.replay import power_probabilities
+from sebulba.experience.replay import power_probabilities
 from sebulba.types import PyTree
 
 
