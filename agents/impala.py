@@ -6,10 +6,11 @@ publishes after the trajectory was produced), so the learner's policy pi is not 
 behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and V-trace
 weighs the returns and the policy gradient by clipped ratios pi / mu.
 
-Feed-forward (separate tanh MLPs for policy and value) or recurrent (`use_lstm`: a
-resetting LSTM core). The LSTM state lives in the StepState; acting resets it where an
-episode starts, and training unrolls it over the trajectory from the state the actor had
-at its first step (kept from the initial StepState), with the same resets. Read top to
+One network protocol (`agents.common.networks`), feed-forward (separate tanh MLPs for
+policy and value) or recurrent (`use_lstm`: a resetting LSTM core). The core's state
+lives in the StepState; acting resets it where an episode starts, and training unrolls
+the network over the trajectory from the state the actor had at its first step (kept
+from the initial StepState), with the same resets. Read top to
 bottom: config, state, acting, experience, loss.
 """
 
@@ -23,9 +24,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import policy
-from agents.common.networks import policy_value_network
-from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
+from agents.common import networks, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
@@ -102,14 +101,9 @@ class IMPALAConfig:
                 f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
 
 
-class IMPALAStepState(NamedTuple):
-    key: jax.Array  # [E] typed PRNG keys, one per env
-    lstm: LSTMState | None  # leaves [E, lstm_size], the core's state; None without LSTM
-
-
 class IMPALAExperience(NamedTuple):
     trajectory: Trajectory  # the latest shard, leaves [E, T(+1), ...]
-    lstm: LSTMState | None  # [E, lstm_size] the actor's state before the shard's first step
+    core: networks.CoreState  # leaves [E, ...], the actor's core state before the first step
 
 
 class IMPALA(sebulba.Agent):
@@ -118,83 +112,55 @@ class IMPALA(sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
         super().__init__(env_spec)
         self.config = config
-        obs_rank = len(env_spec.obs_shape)
-        if config.use_lstm:
-            self.network = LSTMPolicyValue(env_spec.num_actions, tuple(config.hidden_sizes),
-                                           config.lstm_size, obs_rank=obs_rank)
-        else:
-            self.network = policy_value_network(
-                env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes)
+        self.network = networks.actor_critic(
+            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes,
+            config.lstm_size if config.use_lstm else 0)
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
         else:
             opt = optax.rmsprop(config.learning_rate, decay=0.99, eps=config.optimizer_eps)
         self.optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), opt)
 
-    def _unroll(
-        self, nets: Nets, lstm: LSTMState | None, obs: jax.Array, first: jax.Array
-    ) -> tuple[LSTMState | None, jax.Array, jax.Array]:
-        """(state [B, H] or None, obs [B, T, *obs_shape], first [B, T]) -> (state after
-        the last step, logits [B, T, A], value [B, T]). The MLP ignores state and `first`."""
-        if self.config.use_lstm:
-            return self.network.apply(nets, lstm, obs, first)
-        logits, value = self.network.apply(nets, obs)
-        return None, logits, value
-
     # State.
 
     def new_networks(self, key: jax.Array) -> Nets:
-        obs = jnp.zeros((1, 1) + self.env_spec.obs_shape, jnp.float32)
-        if self.config.use_lstm:
-            first = jnp.ones((1, 1), bool)
-            return self.network.init(key, initial_lstm_state(1, self.config.lstm_size), obs, first)
-        return self.network.init(key, obs)
+        return networks.init(self.network, key, self.env_spec.observation_space)
 
-    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> IMPALAStepState:
-        lstm = initial_lstm_state(num_envs, self.config.lstm_size) if self.config.use_lstm \
-            else None
-        return IMPALAStepState(key=jax.random.split(key, num_envs), lstm=lstm)
+    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> policy.StepState:
+        return policy.new_step_state(self.network, key, num_envs)
 
-    def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
+    def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
 
-    def _new_experience_state(
+    def new_experience_state(
         self, nets: Nets, key: jax.Array, layout: sebulba.Layout
     ) -> IMPALAExperience:
         # Shaped exactly like what update_experience returns (its buffers are donated).
         num_envs = layout.envs_per_learner_shard
         zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
-        return IMPALAExperience(zeros, self._new_step_state(nets, key, num_envs).lstm)
+        return IMPALAExperience(zeros, self.network.initial_state(num_envs))
 
     # Acting: one step of the unroll (T = 1); the LSTM resets where `first` is set.
 
-    def step(
-        self, step_state: IMPALAStepState, nets: Nets, env_step: EnvStep
-    ) -> tuple[sebulba.ActorOutput, IMPALAStepState]:
-        lstm, logits, _ = self._unroll(
-            nets, step_state.lstm, env_step.obs[:, None], env_step.first[:, None])
-        action, key = policy.sample(step_state.key, logits[:, 0])
-        return policy.actor_output(logits[:, 0], action), IMPALAStepState(key, lstm)
+    def step(self, step_state: policy.StepState, nets: Nets,
+             env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
+        return policy.act(self.network, nets, step_state, env_step)
 
-    def greedy_step(
-        self, step_state: IMPALAStepState, nets: Nets, env_step: EnvStep
-    ) -> tuple[sebulba.ActorOutput, IMPALAStepState]:
-        lstm, logits, _ = self._unroll(
-            nets, step_state.lstm, env_step.obs[:, None], env_step.first[:, None])
-        action = jnp.argmax(logits[:, 0], axis=-1)
-        return policy.actor_output(logits[:, 0], action), step_state._replace(lstm=lstm)
+    def greedy_step(self, step_state: policy.StepState, nets: Nets,
+                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
+        return policy.act(self.network, nets, step_state, env_step, greedy=True)
 
-    # Experience: the latest trajectory shard and the LSTM state it started from.
+    # Experience: the latest trajectory shard and the core state it started from.
 
     def update_experience(
         self,
         experience: IMPALAExperience,
-        initial_step_state: IMPALAStepState,
-        final_step_state: IMPALAStepState,
+        initial_step_state: policy.StepState,
+        final_step_state: policy.StepState,
         trajectory: Trajectory,
         nets: Nets,
     ) -> IMPALAExperience:
-        return IMPALAExperience(trajectory, initial_step_state.lstm)
+        return IMPALAExperience(trajectory, initial_step_state.core)
 
     # Learning: one V-trace actor-critic step per trajectory.
 
@@ -204,8 +170,8 @@ class IMPALA(sebulba.Agent):
         cfg = self.config
         steps, outputs = experience.trajectory.env_steps, experience.trajectory.actor_outputs
         # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.
-        _, logits, values = self._unroll(nets, experience.lstm, steps.obs, steps.first)
-        logits = logits[:, :-1]  # [E, T, A]
+        _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
+        logits, values = out.logits[:, :-1], out.value  # [E, T, A], [E, T+1]
         log_pi = policy.log_prob(logits, outputs.action)  # [E, T]
         log_rho = log_pi - outputs.extras["log_prob"]
         reward = steps.reward

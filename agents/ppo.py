@@ -8,11 +8,12 @@ the policy loss. The advantages are computed once per trajectory, in
 `update_experience`, with the learner's current value function; the ratio's denominator
 is the behaviour policy the actor recorded (under policy lag it is not the learner's).
 
-Feed-forward (separate tanh MLPs for policy and value) or recurrent (`use_lstm`: the
-resetting LSTM core of `agents.common.recurrent`). A recurrent actor records the LSTM
-state it acts from in `ActorOutput.extras["core"]` every step, so every segment is
-unrolled in training from the state the actor had at its first step, and resets where
-an episode starts inside it exactly as acting did. Read top to bottom: config, state,
+One network protocol (`agents.common.networks`), feed-forward (separate tanh MLPs for
+policy and value) or recurrent (`use_lstm`: a resetting LSTM core). The actor records
+the core state it acts from in `ActorOutput.extras["core"]` every step (`()` for a
+feed-forward core), so every segment is unrolled in training from the state the actor
+had at its first step, and resets where an episode starts inside it exactly as acting
+did. Read top to bottom: config, state,
 acting, experience, loss.
 """
 
@@ -26,9 +27,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import policy
-from agents.common.networks import policy_value_network
-from agents.common.recurrent import LSTMPolicyValue, LSTMState, initial_lstm_state
+from agents.common import networks, policy
 from agents.common.returns import action_mask, gae_advantages
 from sebulba.experience import segments
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
@@ -109,11 +108,6 @@ class PPOConfig:
             raise ValueError(f"clip_epsilon must be > 0, got {self.clip_epsilon!r}")
 
 
-class PPOStepState(NamedTuple):
-    key: jax.Array  # [E] typed PRNG keys, one per env (a shared 0-d key would repeat per group)
-    core: LSTMState | tuple  # leaves [E, lstm_size] with use_lstm, else ()
-
-
 class PPOBatch(NamedTuple):
     """A trajectory shard cut into N segments of H steps: leaves [N, H, ...] (a minibatch:
     [B, H, ...]), except `core`, the recurrent state at each segment's first step."""
@@ -125,7 +119,7 @@ class PPOBatch(NamedTuple):
     advantage: jax.Array  # [N, H] GAE(lambda), not normalized
     value: jax.Array  # [N, H] values when the advantages were computed; targets = adv + value
     mask: jax.Array  # [N, H] float, 0 where the env ignored the action
-    core: LSTMState | tuple  # leaves [N, lstm_size] with use_lstm, else ()
+    core: networks.CoreState  # leaves [N, ...]; () for a feed-forward core
 
 
 class PPOExperience(NamedTuple):
@@ -143,46 +137,26 @@ class PPO(sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: PPOConfig = PPOConfig()):
         super().__init__(env_spec)
         self.config = config
-        obs_rank = len(env_spec.obs_shape)
-        if config.use_lstm:
-            self.network = LSTMPolicyValue(env_spec.num_actions, tuple(config.hidden_sizes),
-                                           config.lstm_size, obs_rank)
-        else:
-            self.network = policy_value_network(
-                env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes)
+        self.network = networks.actor_critic(
+            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes,
+            config.lstm_size if config.use_lstm else 0)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),
             optax.adam(config.learning_rate, eps=config.adam_eps),
         )
 
-    def _unroll(
-        self, nets: Nets, core: LSTMState | tuple, obs: jax.Array, first: jax.Array
-    ) -> tuple[LSTMState | tuple, jax.Array, jax.Array]:
-        """(core [B] leaves, obs [B, T, *obs_shape], first [B, T]) -> (core after the last
-        step, logits [B, T, A], value [B, T]). Feed-forward nets ignore core and first."""
-        if self.config.use_lstm:
-            return self.network.apply(nets, core, obs, first)
-        logits, value = self.network.apply(nets, obs)
-        return core, logits, value
-
     # State.
 
     def new_networks(self, key: jax.Array) -> Nets:
-        obs = jnp.zeros((1, 1) + self.env_spec.obs_shape, jnp.float32)
-        if self.config.use_lstm:
-            return self.network.init(key, self._initial_core(1), obs, jnp.ones((1, 1), bool))
-        return self.network.init(key, obs)
+        return networks.init(self.network, key, self.env_spec.observation_space)
 
-    def _initial_core(self, num_envs: int) -> LSTMState | tuple:
-        return initial_lstm_state(num_envs, self.config.lstm_size) if self.config.use_lstm else ()
+    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> policy.StepState:
+        return policy.new_step_state(self.network, key, num_envs)
 
-    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> PPOStepState:
-        return PPOStepState(key=jax.random.split(key, num_envs), core=self._initial_core(num_envs))
-
-    def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
+    def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
 
-    def _new_experience_state(
+    def new_experience_state(
         self, nets: Nets, key: jax.Array, layout: sebulba.Layout
     ) -> PPOExperience:
         self._segment_layout(layout.envs_per_learner_shard, layout.steps_per_cycle,
@@ -205,42 +179,22 @@ class PPO(sebulba.Agent):
 
     # Acting.
 
-    def step(
-        self, step_state: PPOStepState, nets: Nets, env_step: EnvStep
-    ) -> tuple[sebulba.ActorOutput, PPOStepState]:
-        logits, core = self._act_logits(step_state, nets, env_step)  # [E, A]
-        action, key = policy.sample(step_state.key, logits)
-        return self._actor_output(logits, action, step_state), PPOStepState(key, core)
+    def step(self, step_state: policy.StepState, nets: Nets,
+             env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
+        return policy.act(self.network, nets, step_state, env_step, record_core=True)
 
-    def greedy_step(
-        self, step_state: PPOStepState, nets: Nets, env_step: EnvStep
-    ) -> tuple[sebulba.ActorOutput, PPOStepState]:
-        logits, core = self._act_logits(step_state, nets, env_step)
-        action = jnp.argmax(logits, axis=-1)
-        return self._actor_output(logits, action, step_state), step_state._replace(core=core)
-
-    def _act_logits(self, step_state: PPOStepState, nets: Nets, env_step: EnvStep):
-        """One step of T = 1 through the same unroll training uses: logits [E, A], core."""
-        core, logits, _ = self._unroll(
-            nets, step_state.core, env_step.obs[:, None], env_step.first[:, None])
-        return logits[:, 0], core
-
-    def _actor_output(self, logits: jax.Array, action: jax.Array,
-                      step_state: PPOStepState) -> sebulba.ActorOutput:
-        """Records log pi(action | obs) [E] of the acting policy for the learner's ratio and,
-        for the LSTM, the state [E, lstm_size] acted from (a segment's training start)."""
-        output = policy.actor_output(logits, action)
-        if self.config.use_lstm:
-            output.extras["core"] = step_state.core
-        return output
+    def greedy_step(self, step_state: policy.StepState, nets: Nets,
+                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
+        return policy.act(self.network, nets, step_state, env_step, greedy=True,
+                          record_core=True)
 
     # Experience: one trajectory shard, cut into segments, with each step's minibatch.
 
     def update_experience(
         self,
         experience: PPOExperience,
-        initial_step_state: PPOStepState,
-        final_step_state: PPOStepState,
+        initial_step_state: policy.StepState,
+        final_step_state: policy.StepState,
         trajectory: Trajectory,
         nets: Nets,
     ) -> PPOExperience:
@@ -254,11 +208,12 @@ class PPO(sebulba.Agent):
         steps, outputs = trajectory.env_steps, trajectory.actor_outputs
         num_envs, num_steps = outputs.action.shape[:2]
         horizon = self._segment_layout(num_envs, num_steps).horizon
-        cores = outputs.extras["core"] if cfg.use_lstm else ()  # leaves [E, T, lstm_size]
+        cores = outputs.extras["core"]  # leaves [E, T, ...]
         # Values of all T + 1 observations (entry T and truncated steps bootstrap),
         # unrolled from the actor's state at the trajectory's first step.
         start = jax.tree.map(lambda c: c[:, 0], cores)
-        _, _, values = self._unroll(nets, start, steps.obs, steps.first)  # [E, T+1]
+        _, out = self.network.apply(nets, start, steps.obs, steps.first)
+        values = out.value  # [E, T+1]
         advantages = jax.vmap(gae_advantages, in_axes=(0, 0, 0, 0, None, None))(
             steps.reward, values, steps.terminated, steps.truncated, cfg.discount, cfg.gae_lambda
         )  # [E, T]
@@ -298,7 +253,8 @@ class PPO(sebulba.Agent):
             # Actions the env ignored (at the last step of an episode) carry no signal.
             return policy.masked_mean(x, b.mask)
 
-        _, logits, value = self._unroll(nets, b.core, b.obs, b.first)  # [B, H, A], [B, H]
+        _, out = self.network.apply(nets, b.core, b.obs, b.first)
+        logits, value = out.logits, out.value  # [B, H, A], [B, H]
         log_ratio = policy.log_prob(logits, b.action) - b.behaviour_log_prob
         ratio = jnp.exp(log_ratio)
 

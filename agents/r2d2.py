@@ -25,24 +25,25 @@ How it fits the Sebulba loop:
   per group, D learner devices), which is how the loop assigns envs to groups and
   `shard_step_state` splits them.
 - Episode boundaries (NEXT_STEP autoreset): `first` resets the LSTM in acting and in
-  training (the same `ResetLSTM`); the action at an episode's last step was ignored by
-  the env and is masked out of the loss; `terminated` bootstraps 0, `truncated` and the
-  sequence's end bootstrap from the target network.
-- Replay: `sebulba.experience.replay`, one per learner device (the framework keeps one experience
-  per learner device), `replay_capacity` sequences each; new sequences enter at the
+  training (one network, `agents.common.networks`, unrolled over T = 1 or L steps); the
+  action at an episode's last step was ignored by the env and is masked out of the
+  loss; `terminated` bootstraps 0, `truncated` and the sequence's end bootstrap from the
+  target network.
+- Replay: `sebulba.experience.replay`, one per learner device (the framework keeps one
+  experience per learner device), `replay_capacity` sequences each; new sequences enter at the
   largest priority seen, priorities are eta max|td| + (1 - eta) mean|td| over the
   learnt steps and are written back by `loss`, which returns the updated experience.
   Each learner device samples `batch_size` sequences with its own key.
-- Warm-up: `num_off_policy_optims_per_cycle()` is fixed (`updates_per_trajectory`),
-  so until a device's replay holds `min_replay_size` sequences the loss is an exact
-  zero (and priorities are left alone). `optimize_from_grads` skips an all-zero
-  gradient entirely: Adam's moments and count, the learner step counter and the target
-  copy stay where they were, so the first real update is a first Adam step.
-- Target network: `nets = {"online", "target"}`; `partition_for_grad` keeps the target
-  out of the gradient and `optimize_from_grads` copies online -> target every
-  `target_update_period` learner steps (counted in the optimizer state).
+- Warm-up: `ready_to_learn` is False until every learner device's replay holds
+  `min_replay_size` sequences; until then the learner skips the optimizer steps
+  entirely (Adam's moments and count, the step counter and the target copy stay where
+  they were), so the first real update is a first Adam step.
+- Target network: `sebulba.target_network`; `nets` is `OnlineAndTarget`, the target is
+  kept out of the gradient and out of what actors receive (`acting_nets` publishes the
+  online network only) and is copied from the online one every `target_update_period`
+  optimizer steps that ran (counted in the optimizer state).
 - Exploration: env i of the N acting envs of the whole run uses eps_i =
-  epsilon_base^(1 + epsilon_alpha i / (N - 1)) (Ape-X). `_new_step_state` sees only its
+  epsilon_base^(1 + epsilon_alpha i / (N - 1)) (Ape-X). `new_step_state` sees only its
   process's envs, so it offsets i by `jax.process_index()` and takes N as its envs
   times `jax.process_count()` (every process runs the same layout). Evaluation uses
   `greedy_step`.
@@ -54,16 +55,15 @@ import dataclasses
 from collections.abc import Sequence as SequenceType
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common.networks import MLP, flatten_trailing
-from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
+from agents.common import networks
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
+from sebulba import target_network
 from sebulba.experience import replay as rp
 from sebulba.sharding import LEARNER_AXIS
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
@@ -187,43 +187,22 @@ def _check_int(name: str, value, low: int) -> None:
 # Networks.
 
 
-class RecurrentQNetwork(nn.Module):
-    """MLP torso, resetting LSTM (or a ReLU layer), dueling Q head.
-
-    Maps (state: LSTMState [B, lstm_size] leaves, obs [B, T, *obs_shape] with
-    len(obs_shape) == obs_rank, first [B, T] bool) to (state after the last step,
-    Q-values [B, T, num_actions]). Acting passes T = 1. The feed-forward variant
-    returns the state unchanged.
-    """
-
-    num_actions: int
-    torso_sizes: SequenceType[int]
-    lstm_size: int
-    head_sizes: SequenceType[int]
-    use_lstm: bool = True
-    obs_rank: int = 1
-
-    @nn.compact
-    def __call__(self, state: LSTMState, obs: jax.Array,
-                 first: jax.Array) -> tuple[LSTMState, jax.Array]:
-        x = flatten_trailing(obs, self.obs_rank).astype(jnp.float32)
-        x = MLP(tuple(self.torso_sizes), name="torso")(x)
-        if self.use_lstm:
-            state, x = ResetLSTM(self.lstm_size, name="core")(state, x, first)
-        else:
-            x = MLP((self.lstm_size,), name="core")(x)
-        value = MLP(tuple(self.head_sizes) + (1,), activate_final=False, name="value")(x)
-        advantage = MLP(tuple(self.head_sizes) + (self.num_actions,), activate_final=False,
-                        name="advantage")(x)
-        advantage = advantage - jnp.mean(advantage, axis=-1, keepdims=True)
-        return state, value + advantage
+def q_network(num_actions: int, obs_shape: SequenceType[int], config: R2D2Config
+              ) -> networks.Unroll:
+    """Torso (Nature CNN for frames [C, H, W], else a ReLU MLP of `torso_sizes`),
+    resetting LSTM core (or, without use_lstm, one more ReLU layer of `lstm_size` in the
+    torso), dueling Q head: (state, obs [B, T, ...], first [B, T]) -> Q [B, T, A]."""
+    sizes = tuple(config.torso_sizes) + (() if config.use_lstm else (config.lstm_size,))
+    torso = networks.torso_for(obs_shape, sizes, "relu")
+    core = networks.core_for(config.lstm_size if config.use_lstm else 0)
+    return networks.Unroll(torso, core, networks.DuelingQHead(num_actions, config.head_sizes))
 
 
 # State.
 
 
 class R2D2StepState(NamedTuple):
-    lstm: LSTMState  # [E, H] leaves: the state before acting on the next env step
+    core: networks.CoreState  # leaves [E, ...]: the state before acting on the next step
     key: jax.Array  # [E] typed PRNG keys
     epsilon: jax.Array  # [E] float32 exploration rate of each env
     env_index: jax.Array  # [E] int32 index of the env in its process (finds its slot)
@@ -234,7 +213,7 @@ class Sequence(NamedTuple):
 
     env_steps: EnvStep  # leaves [L + 1, ...]; entry L is the bootstrap step
     action: jax.Array  # [L] actions taken at env steps 0..L-1
-    lstm: LSTMState  # [H] leaves: the actor's state before it acted on env step 0
+    core: networks.CoreState  # leaves [...]: the actor's state before it acted on step 0
     env_index: jax.Array  # int32, the env it came from (diagnostics, tests)
 
 
@@ -243,7 +222,8 @@ class PendingSteps(NamedTuple):
 
     env_steps: EnvStep  # leaves [S, L - T, ...]: the last L - T env steps received
     action: jax.Array  # [S, L - T]
-    lstm: LSTMState  # [S, K - 1, H] leaves: start states of the last K - 1 trajectories
+    core: networks.CoreState  # leaves [S, K - 1, ...]: start states of the last K - 1
+    # trajectories
     received: jax.Array  # [S] int32 trajectories received, capped at K - 1
 
 
@@ -256,7 +236,7 @@ class R2D2Experience(NamedTuple):
 
 class R2D2OptState(NamedTuple):
     adam: PyTree
-    steps: jax.Array  # int32 learner steps applied (warm-up steps excluded)
+    steps: jax.Array  # int32 optimizer steps applied (skipped warm-up steps excluded)
 
 
 class R2D2(sebulba.Agent):
@@ -265,47 +245,33 @@ class R2D2(sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: R2D2Config = R2D2Config()):
         super().__init__(env_spec)
         self.config = config
-        self.network = RecurrentQNetwork(
-            num_actions=env_spec.num_actions,
-            torso_sizes=tuple(config.torso_sizes),
-            lstm_size=config.lstm_size,
-            head_sizes=tuple(config.head_sizes),
-            use_lstm=config.use_lstm,
-            obs_rank=len(env_spec.obs_shape),
-        )
+        self.network = q_network(env_spec.num_actions, env_spec.obs_shape, config)
         optimizer = optax.adam(config.learning_rate, eps=config.adam_eps)
         if config.max_grad_norm > 0:
             optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optimizer)
         self.optimizer = optimizer
 
-    def unroll(self, params: PyTree, lstm: LSTMState, obs: jax.Array,
-               first: jax.Array) -> tuple[LSTMState, jax.Array]:
-        """(state [B, H], obs [B, T, ...], first [B, T]) -> (state, Q [B, T, A])."""
-        return self.network.apply(params, lstm, obs, first)
+    def new_networks(self, key: jax.Array) -> target_network.OnlineAndTarget:
+        return target_network.new(
+            networks.init(self.network, key, self.env_spec.observation_space))
 
-    def new_networks(self, key: jax.Array) -> Nets:
-        obs = jnp.zeros((1, 1) + self.env_spec.obs_shape, jnp.float32)
-        params = self.network.init(key, initial_lstm_state(1, self.config.lstm_size), obs,
-                                   jnp.ones((1, 1), bool))
-        return {"online": params, "target": jax.tree.map(jnp.copy, params)}
-
-    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> R2D2StepState:
+    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> R2D2StepState:
         cfg = self.config
         # Every process has num_envs envs; its envs are a slice of the run's N.
         total = num_envs * jax.process_count()
         index = jax.process_index() * num_envs + jnp.arange(num_envs)
         epsilon = cfg.epsilon_base ** (1.0 + cfg.epsilon_alpha * index / max(total - 1, 1))
         return R2D2StepState(
-            lstm=initial_lstm_state(num_envs, cfg.lstm_size),
+            core=self.network.initial_state(num_envs),
             key=jax.random.split(key, num_envs),
             epsilon=epsilon.astype(jnp.float32),
             env_index=jnp.arange(num_envs, dtype=jnp.int32),
         )
 
-    def _new_opt_state(self, nets: Nets, key: jax.Array) -> R2D2OptState:
-        return R2D2OptState(self.optimizer.init(nets["online"]), jnp.zeros((), jnp.int32))
+    def new_opt_state(self, nets: Nets, key: jax.Array) -> R2D2OptState:
+        return R2D2OptState(self.optimizer.init(nets.online), jnp.zeros((), jnp.int32))
 
-    def _new_experience_state(self, nets: Nets, key: jax.Array,
+    def new_experience_state(self, nets: Nets, key: jax.Array,
                               layout: sebulba.Layout) -> R2D2Experience:
         cfg = self.config
         if layout.steps_per_cycle != cfg.sequence_period:
@@ -325,7 +291,7 @@ class R2D2(sebulba.Agent):
         item = Sequence(
             env_steps=jax.tree.map(lambda x: x[0], example.env_steps),
             action=example.actor_outputs.action[0],
-            lstm=jax.tree.map(lambda x: x[0], initial_lstm_state(1, cfg.lstm_size)),
+            core=jax.tree.map(lambda x: x[0], self.network.initial_state(1)),
             env_index=jnp.zeros((), jnp.int32),
         )
         slots = layout.num_groups * rows
@@ -333,8 +299,8 @@ class R2D2(sebulba.Agent):
             env_steps=jax.tree.map(
                 lambda x: jnp.zeros((slots, window) + x.shape[1:], x.dtype), item.env_steps),
             action=jnp.zeros((slots, window), item.action.dtype),
-            lstm=jax.tree.map(lambda x: jnp.zeros((slots, starts) + x.shape, x.dtype),
-                              item.lstm),
+            core=jax.tree.map(lambda x: jnp.zeros((slots, starts) + x.shape, x.dtype),
+                              item.core),
             received=jnp.zeros((slots,), jnp.int32),
         )
         return R2D2Experience(
@@ -344,29 +310,29 @@ class R2D2(sebulba.Agent):
             key=key,
         )
 
-    # Acting.
+    # Acting: `nets` are the online network's parameters (`acting_nets`).
 
-    def step(self, step_state: R2D2StepState, nets: Nets,
+    def acting_nets(self, nets: target_network.OnlineAndTarget,
+                    learner_updates: jax.Array) -> PyTree:
+        return nets.online
+
+    def step(self, step_state: R2D2StepState, nets: PyTree,
              env_step: EnvStep) -> tuple[sebulba.ActorOutput, R2D2StepState]:
         """Epsilon-greedy on Q, with each env's own epsilon."""
-        lstm, q = self._act_q(step_state, nets, env_step)  # q [E, A]
+        core, q = networks.act(self.network, nets, step_state.core, env_step.obs,
+                               env_step.first)  # q [E, A]
         keys = jax.vmap(lambda k: jax.random.split(k, 3))(step_state.key)  # [E, 3]
         explore = jax.vmap(jax.random.uniform)(keys[:, 0]) < step_state.epsilon
         random_action = jax.vmap(
             lambda k: jax.random.randint(k, (), 0, q.shape[-1]))(keys[:, 1])
         action = jnp.where(explore, random_action, jnp.argmax(q, axis=-1))
-        return sebulba.ActorOutput(action), step_state._replace(lstm=lstm, key=keys[:, 2])
+        return sebulba.ActorOutput(action), step_state._replace(core=core, key=keys[:, 2])
 
-    def greedy_step(self, step_state: R2D2StepState, nets: Nets,
+    def greedy_step(self, step_state: R2D2StepState, nets: PyTree,
                     env_step: EnvStep) -> tuple[sebulba.ActorOutput, R2D2StepState]:
-        lstm, q = self._act_q(step_state, nets, env_step)
-        return sebulba.ActorOutput(jnp.argmax(q, axis=-1)), step_state._replace(lstm=lstm)
-
-    def _act_q(self, step_state: R2D2StepState, nets: Nets,
-               env_step: EnvStep) -> tuple[LSTMState, jax.Array]:
-        lstm, q = self.unroll(nets["online"], step_state.lstm, env_step.obs[:, None],
-                              env_step.first[:, None])
-        return lstm, q[:, 0]
+        core, q = networks.act(self.network, nets, step_state.core, env_step.obs,
+                               env_step.first)
+        return sebulba.ActorOutput(jnp.argmax(q, axis=-1)), step_state._replace(core=core)
 
     # Experience: sequences into the replay.
 
@@ -396,13 +362,13 @@ class R2D2(sebulba.Agent):
         action = jnp.concatenate(
             [rows_of(pending.action), trajectory.actor_outputs.action.astype(
                 pending.action.dtype)], axis=1)  # [B, L]
-        starts = jax.tree.map(rows_of, pending.lstm)  # [B, K - 1, H]
+        starts = jax.tree.map(rows_of, pending.core)  # [B, K - 1, ...]
         starts = jax.tree.map(lambda s, x: jnp.concatenate([s, x[:, None]], axis=1),
-                              starts, initial_step_state.lstm)  # [B, K, H]
+                              starts, initial_step_state.core)  # [B, K, ...]
         sequences = Sequence(
             env_steps=steps,
             action=action,
-            lstm=jax.tree.map(lambda s: s[:, 0], starts),
+            core=jax.tree.map(lambda s: s[:, 0], starts),
             env_index=index,
         )
         complete = rows_of(pending.received) >= L // T - 1
@@ -415,7 +381,7 @@ class R2D2(sebulba.Agent):
             env_steps=jax.tree.map(lambda old, s: write(old, s[:, T:L]), pending.env_steps,
                                    steps),
             action=write(pending.action, action[:, T:L]),
-            lstm=jax.tree.map(lambda old, s: write(old, s[:, 1:]), pending.lstm, starts),
+            core=jax.tree.map(lambda old, s: write(old, s[:, 1:]), pending.core, starts),
             received=write(pending.received,
                            jnp.minimum(rows_of(pending.received) + 1, L // T - 1)),
         )
@@ -436,13 +402,14 @@ class R2D2(sebulba.Agent):
         """
         cfg = self.config
         steps, burn = sequences.env_steps, cfg.burn_in
-        online, target = nets["online"], jax.lax.stop_gradient(nets["target"])
-        lstm = sequences.lstm
+        online, target = nets.online, jax.lax.stop_gradient(nets.target)
+        unroll = self.network.apply
+        core = sequences.core
         if burn:
-            lstm, _ = self.unroll(online, lstm, steps.obs[:, :burn], steps.first[:, :burn])
-            lstm = jax.lax.stop_gradient(lstm)
-        _, q = self.unroll(online, lstm, steps.obs[:, burn:], steps.first[:, burn:])
-        _, q_target = self.unroll(target, sequences.lstm, steps.obs, steps.first)
+            core, _ = unroll(online, core, steps.obs[:, :burn], steps.first[:, :burn])
+            core = jax.lax.stop_gradient(core)
+        _, q = unroll(online, core, steps.obs[:, burn:], steps.first[:, burn:])
+        _, q_target = unroll(target, sequences.core, steps.obs, steps.first)
         q_target = q_target[:, burn:]  # [b, M + 1, A], M = L - burn_in learnt steps
 
         # Double Q: the online network picks the bootstrap action, the target values it.
@@ -471,54 +438,40 @@ class R2D2(sebulba.Agent):
 
     def loss(self, nets: Nets, opt: R2D2OptState,
              experience: R2D2Experience) -> tuple[jax.Array, tuple[R2D2Experience, Metrics]]:
-        """Importance-weighted loss of a prioritized batch; writes back its priorities.
-
-        An exact zero until the replay holds `min_replay_size` sequences.
-        """
+        """Importance-weighted loss of a prioritized batch; writes back its priorities."""
         cfg = self.config
         key, sample_key = jax.random.split(experience.key)
         replay = experience.replay
         batch = rp.sample(replay, _per_learner_device(sample_key), cfg.batch_size,
                           cfg.priority_exponent, cfg.importance_exponent)
         losses, priorities, metrics = self.sequence_losses(nets, batch.items)
-        learning = replay.size >= cfg.min_replay_size
-        loss = jnp.where(learning, jnp.mean(batch.weights * losses), 0.0)
-        priorities = jnp.where(learning, priorities, replay.priorities[batch.indices])
+        loss = jnp.mean(batch.weights * losses)
         replay = rp.update_priorities(replay, batch.indices, priorities)
         metrics = {
             **metrics,
-            "learning": learning.astype(jnp.float32),
             "replay_size": replay.size.astype(jnp.float32),
             "priority_mean": jnp.mean(priorities),
             "importance_weight_mean": jnp.mean(batch.weights),
         }
         return loss, (experience._replace(replay=replay, key=key), metrics)
 
-    def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets]:
+    def ready_to_learn(self, experience: R2D2Experience) -> jax.Array:
+        """Learning starts once the replay holds `min_replay_size` sequences."""
+        return experience.replay.size >= self.config.min_replay_size
+
+    def partition_for_grad(self, nets: target_network.OnlineAndTarget):
         """Differentiates the online network only."""
+        return target_network.partition_for_grad(nets)
 
-        def none(tree):
-            return jax.tree.map(lambda _: None, tree)
-
-        return ({"online": nets["online"], "target": none(nets["target"])},
-                {"online": none(nets["online"]), "target": nets["target"]})
-
-    def optimize_from_grads(self, nets: Nets, opt: R2D2OptState,
-                            grads: PyTree) -> tuple[Nets, R2D2OptState]:
-        """Adam on the online network, target copy every `target_update_period` steps.
-
-        An all-zero gradient (a warm-up step) changes nothing, not even Adam's count.
-        """
-        grads = grads["online"]
-        learning = jnp.any(jnp.stack([jnp.any(g != 0) for g in jax.tree.leaves(grads)]))
-        updates, adam = self.optimizer.update(grads, opt.adam, nets["online"])
-        online = optax.apply_updates(nets["online"], updates)
+    def optimize_from_grads(self, nets: target_network.OnlineAndTarget, opt: R2D2OptState,
+                            grads: PyTree) -> tuple[target_network.OnlineAndTarget,
+                                                    R2D2OptState]:
+        """Adam on the online network, target copy every `target_update_period` steps."""
+        updates, adam = self.optimizer.update(grads.online, opt.adam, nets.online)
+        online = optax.apply_updates(nets.online, updates)
         steps = opt.steps + 1
-        copy = steps % self.config.target_update_period == 0
-        target = jax.tree.map(lambda o, t: jnp.where(copy, o, t), online, nets["target"])
-        new_nets, new_opt = {"online": online, "target": target}, R2D2OptState(adam, steps)
-        return jax.tree.map(lambda new, old: jnp.where(learning, new, old),
-                            (new_nets, new_opt), (nets, opt))
+        nets = target_network.refresh(nets, online, steps, self.config.target_update_period)
+        return nets, R2D2OptState(adam, steps)
 
 
 def _per_learner_device(key: jax.Array) -> jax.Array:

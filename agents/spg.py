@@ -13,12 +13,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import policy
-from agents.common.networks import policy_value_network
+from agents.common import networks, policy
 from agents.common.returns import action_mask, bootstrapped_returns
 from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
 
@@ -35,6 +33,8 @@ class SPGConfig:
       value_cost: weight of the baseline's squared error in the loss.
       entropy_cost: weight of the policy's entropy bonus in the loss.
       max_grad_norm: gradients are clipped to this global norm before Adam.
+      lstm_size: units of an LSTM core after a tanh torso of `hidden_sizes`; 0: none
+        (feed-forward, separate policy and baseline MLPs).
     """
 
     hidden_sizes: Sequence[int] = (64, 64)
@@ -43,14 +43,16 @@ class SPGConfig:
     value_cost: float = 0.5
     entropy_cost: float = 0.01
     max_grad_norm: float = 0.5
+    lstm_size: int = 0
 
 
-class SPGStepState(NamedTuple):
-    key: jax.Array  # [E] typed PRNG keys, one per env
+class SPGExperience(NamedTuple):
+    trajectory: Trajectory  # the latest shard, leaves [E, T(+1), ...]
+    core: PyTree  # leaves [E, ...], the actor's core state before the shard's first step
 
 
 class SPG(sebulba.Agent):
-    """REINFORCE with a baseline for Discrete action spaces; observations are flattened."""
+    """REINFORCE with a baseline for Discrete action spaces, feed-forward or LSTM."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: SPGConfig = SPGConfig()):
         super().__init__(env_spec)
@@ -58,56 +60,54 @@ class SPG(sebulba.Agent):
         # Separate tanh MLPs for policy and baseline. On CartPole-v1 one shared ReLU torso
         # with policy and value heads learned slowly and often collapsed to a
         # deterministic policy (returns ~10); separate ReLU MLPs swung between ~400 and ~50.
-        self.network = policy_value_network(
-            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes)
+        self.network = networks.actor_critic(
+            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes, config.lstm_size)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
         )
 
     def new_networks(self, key: jax.Array) -> Nets:
-        obs = jnp.zeros((1,) + self.env_spec.obs_shape, jnp.float32)
-        return self.network.init(key, obs)
+        return networks.init(self.network, key, self.env_spec.observation_space)
 
-    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> SPGStepState:
-        return SPGStepState(key=jax.random.split(key, num_envs))
+    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> policy.StepState:
+        return policy.new_step_state(self.network, key, num_envs)
 
-    def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
+    def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
 
-    def _new_experience_state(self, nets: Nets, key: jax.Array, layout: sebulba.Layout):
-        return sebulba.zeros_trajectory(
-            self, nets, layout.envs_per_learner_shard, layout.steps_per_cycle
-        )
+    def new_experience_state(self, nets: Nets, key: jax.Array,
+                             layout: sebulba.Layout) -> SPGExperience:
+        num_envs = layout.envs_per_learner_shard
+        zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
+        return SPGExperience(zeros, self.network.initial_state(num_envs))
 
-    def step(
-        self, step_state: SPGStepState, nets: Nets, env_step: EnvStep
-    ) -> tuple[sebulba.ActorOutput, SPGStepState]:
-        logits, _ = self.network.apply(nets, env_step.obs)
-        action, key = policy.sample(step_state.key, logits)
-        return sebulba.ActorOutput(action=action), SPGStepState(key=key)
+    def step(self, step_state: policy.StepState, nets: Nets,
+             env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
+        return policy.act(self.network, nets, step_state, env_step)
 
-    def greedy_step(
-        self, step_state: SPGStepState, nets: Nets, env_step: EnvStep
-    ) -> tuple[sebulba.ActorOutput, SPGStepState]:
-        logits, _ = self.network.apply(nets, env_step.obs)
-        return sebulba.ActorOutput(action=jnp.argmax(logits, axis=-1)), step_state
+    def greedy_step(self, step_state: policy.StepState, nets: Nets,
+                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
+        return policy.act(self.network, nets, step_state, env_step, greedy=True)
 
     def update_experience(
         self,
-        experience: Trajectory,
-        initial_step_state: SPGStepState,
-        final_step_state: SPGStepState,
+        experience: SPGExperience,
+        initial_step_state: policy.StepState,
+        final_step_state: policy.StepState,
         trajectory: Trajectory,
         nets: Nets,
-    ) -> Trajectory:
-        return trajectory  # on-policy: learn from the latest trajectory only
+    ) -> SPGExperience:
+        # On-policy: learn from the latest trajectory only, unrolled from the actor's state.
+        return SPGExperience(trajectory, initial_step_state.core)
 
     def loss(
-        self, nets: Nets, opt: OptState, experience: Trajectory
-    ) -> tuple[jax.Array, tuple[Trajectory, Metrics]]:
+        self, nets: Nets, opt: OptState, experience: SPGExperience
+    ) -> tuple[jax.Array, tuple[SPGExperience, Metrics]]:
         cfg = self.config
-        steps, actions = experience.env_steps, experience.actor_outputs.action
-        logits, values = self.network.apply(nets, steps.obs)  # [E, T+1, A], [E, T+1]
+        steps = experience.trajectory.env_steps
+        actions = experience.trajectory.actor_outputs.action
+        _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
+        logits, values = out.logits, out.value  # [E, T+1, A], [E, T+1]
         returns = jax.vmap(bootstrapped_returns, in_axes=(0, 0, 0, 0, None))(
             steps.reward, values, steps.terminated, steps.truncated, cfg.discount
         )  # [E, T], constants

@@ -1,12 +1,11 @@
 """sebulba: the Sebulba actor-learner architecture (Podracers) for JAX and Gymnasium."""
 
-from sebulba import memory_envs  # noqa: F401  (registers the sebulba/ env ids)
 from sebulba.accounting import RunResult
 from sebulba.agent import Agent, Layout, combine_partitions, zeros_trajectory
 from sebulba.config import Config
-from sebulba.envs import EnvSpec, env_spec
+from sebulba.envs import env_spec
 from sebulba.loop import Sebulba
-from sebulba.types import ActorOutput, AgentState, EnvStep, Trajectory
+from sebulba.types import ActorOutput, AgentState, EnvSpec, EnvStep, Trajectory
 
 __all__ = [
     "ActorOutput",

@@ -84,10 +84,15 @@ class RunResult:
         All of these are this process's; `global_consumed` is the run's.
       wall_seconds: from the first env step to the end of the run.
       episodes: (env_steps when it ended, return, length) of each completed episode.
-      policy_lags: per consumed trajectory, learner version minus acting version.
+      policy_lags: per consumed trajectory, in learner updates: the learner's updates
+        when it consumed the trajectory minus its updates when it published the networks
+        that acted (0: the freshest networks possible).
       stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
         for room), queue_get (learner waiting), update_experience, optimize.
-      learner_updates: optimizer steps taken.
+      learner_updates: learner updates (trajectories learnt from, as one
+        update_experience each).
+      optimizer_steps: optimizer steps run (learner_updates x
+        num_off_policy_optims_per_cycle(), skipped warm-up steps included).
       metrics: the learner's last metrics (floats).
       state: final AgentState (nets, opt, experience of the first learner device; the
         step state of all envs).
@@ -104,6 +109,7 @@ class RunResult:
     stage_seconds: dict[str, float]
     learner_updates: int
     metrics: dict[str, float]
+    optimizer_steps: int = 0
     num_processes: int = 1
     state: AgentState | None = None
     learner_experience: Any = None
@@ -144,6 +150,7 @@ class RunResult:
             "policy_lag_mean": float(lags.mean()),
             "policy_lag_max": int(lags.max()),
             "learner_updates": self.learner_updates,
+            "optimizer_steps": self.optimizer_steps,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
             "metrics": self.metrics,
         }

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from sebulba import sharding
-from sebulba.envs import EnvSpec, example_env_step
+from sebulba.envs import example_env_step
 from sebulba.types import (
     ActorOutput,
     AgentState,
+    EnvSpec,
     EnvStep,
     Experience,
     Metrics,
@@ -29,12 +30,16 @@ from sebulba.types import (
 class Layout:
     """How envs and devices are laid out in a run; agents size their state from it.
 
+    Every count is of envs (one env = one acting stream, one row of a trajectory), per
+    process unless it says otherwise.
+
     Attributes:
-      envs_per_group: envs in one env group (one inferencer thread's vector env).
-      num_groups: env groups feeding the learner (async_factor x inference devices).
-      steps_per_cycle: env steps per inference cycle (T).
+      envs_per_group: envs in one env group (one inferencer thread's vector env); the
+        `E` of a trajectory's leaves [E, T, ...]. The launcher's `--envs_per_group`.
+      num_groups: env groups of this process (async_factor x inference devices).
+      steps_per_cycle: env steps per inference cycle (T), per env.
       num_learner_devices: this process's learner devices (one trajectory is split over
-        them).
+        them along the env axis).
       num_processes: processes in the run; each has `num_groups` groups and the same
         number of learner devices.
     """
@@ -52,6 +57,7 @@ class Layout:
 
     @property
     def global_envs(self) -> int:
+        """Envs of all processes."""
         return self.total_envs * self.num_processes
 
     @property
@@ -90,21 +96,21 @@ class Agent(abc.ABC):
         opt_key, exp_key, step_key = jax.random.split(key, 3)
         return AgentState(
             nets=nets,
-            opt=self._new_opt_state(nets, opt_key),
-            experience=self._new_experience_state(nets, exp_key, layout),
-            step_state=self._new_step_state(nets, step_key, layout.total_envs),
+            opt=self.new_opt_state(nets, opt_key),
+            experience=self.new_experience_state(nets, exp_key, layout),
+            step_state=self.new_step_state(nets, step_key, layout.total_envs),
         )
 
     @abc.abstractmethod
-    def _new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> StepState:
+    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> StepState:
         """Per-env acting state (recurrent state, RNG, counters) for `num_envs` envs."""
 
     @abc.abstractmethod
-    def _new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
+    def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         """Optimizer state for `nets`."""
 
     @abc.abstractmethod
-    def _new_experience_state(self, nets: Nets, key: jax.Array, layout: Layout) -> Experience:
+    def new_experience_state(self, nets: Nets, key: jax.Array, layout: Layout) -> Experience:
         """Experience of one learner device (it sees `layout.envs_per_learner_shard`
         envs of each trajectory, from `layout.num_groups` groups)."""
 
@@ -118,7 +124,7 @@ class Agent(abc.ABC):
 
         Args:
           step_state: per-env leaves [E, ...].
-          nets: the networks published by the learner.
+          nets: what the learner published, `acting_nets(nets, learner_updates)`.
           env_step: leaves [E, ...]; `first` marks where recurrent state must reset.
         Returns:
           (ActorOutput with leaves [E, ...], the next StepState).
@@ -164,7 +170,7 @@ class Agent(abc.ABC):
         """Applies gradients (already averaged over learner devices)."""
 
     def num_off_policy_optims_per_cycle(self) -> int:
-        """Updates per received trajectory; on-policy agents use 1."""
+        """Optimizer steps per learner update (one update per received trajectory)."""
         return 1
 
     def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets | None]:
@@ -175,6 +181,27 @@ class Agent(abc.ABC):
         structure. Default: differentiate everything.
         """
         return nets, None
+
+    def ready_to_learn(self, experience: Experience) -> jax.Array | bool:
+        """Whether the optimizer steps may run on `experience` (a bool scalar, traced).
+
+        While it is False on any learner device the learner skips the update entirely:
+        no loss, no gradient, no optimizer step, experience and networks unchanged (the
+        trajectory is still added by `update_experience`). E.g. a replay's warm-up:
+        `experience.replay.size >= min_replay_size`. Default: always.
+        """
+        return True
+
+    def acting_nets(self, nets: Nets, learner_updates: jax.Array) -> PyTree:
+        """What the learner publishes to the actors: `step` receives it as `nets`.
+
+        Called once per publication, compiled, on the learner. `learner_updates` (int32
+        scalar) counts the learner updates (trajectories learnt from, the unit of policy
+        lag) so far, so a schedule (an exploration epsilon, say) can be published with
+        the networks at no per-step cost. Return only what acting reads: a target
+        network need not travel to the inference devices. Default: `nets`.
+        """
+        return nets
 
     def shard_step_state(
         self, step_state: StepState, learner_devices: Sequence[jax.Device]
@@ -208,8 +235,9 @@ def zeros_trajectory(agent: Agent, nets: Nets, num_envs: int, steps_per_cycle: i
     Handy for sizing experience; the actor outputs' shapes come from tracing `step`.
     """
     env_step = example_env_step(agent.env_spec, num_envs)
-    step_state = agent._new_step_state(nets, jax.random.key(0), num_envs)
-    actor_output, _ = jax.eval_shape(agent.step, step_state, nets, env_step)
+    step_state = agent.new_step_state(nets, jax.random.key(0), num_envs)
+    acting = jax.eval_shape(agent.acting_nets, nets, jnp.zeros((), jnp.int32))
+    actor_output, _ = jax.eval_shape(agent.step, step_state, acting, env_step)
 
     def zeros(x, length):
         return jnp.zeros((x.shape[0], length) + tuple(x.shape[1:]), x.dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,29 +9,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from sebulba.types import EnvStep
+from sebulba.types import EnvSpec, EnvStep
 
 EnvFactory = Callable[[], gym.Env]
 VECTORIZATIONS = ("sync", "async", "vector_entry_point")
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvSpec:
-    """The spaces of one (unbatched) env; agents build their networks from it."""
-
-    observation_space: gym.spaces.Box
-    action_space: gym.spaces.Discrete | gym.spaces.Box
-
-    @property
-    def obs_shape(self) -> tuple[int, ...]:
-        return tuple(self.observation_space.shape)
-
-    @property
-    def num_actions(self) -> int:
-        """Number of discrete actions; an error for continuous action spaces."""
-        if not isinstance(self.action_space, gym.spaces.Discrete):
-            raise TypeError(f"num_actions needs a Discrete action space, got {self.action_space}")
-        return int(self.action_space.n)
 
 
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:

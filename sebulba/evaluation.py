@@ -8,6 +8,7 @@ from typing import Any
 
 import gymnasium as gym
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sebulba.agent import Agent
@@ -42,6 +43,9 @@ def evaluate(
 ) -> EvaluationResult:
     """Runs `agent` (greedy or sampled) until `num_episodes` episodes have ended.
 
+    `nets` are the learner's networks (as a run or a checkpoint holds them); the agent
+    acts on `agent.acting_nets(nets, 0)`, what the learner would publish.
+
     The first `num_episodes` episodes to end are reported, whichever env they ran in.
     `vectorization` is "sync" or, for ids whose own vector env preprocesses (Atari),
     "vector_entry_point".
@@ -49,11 +53,12 @@ def evaluate(
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     act = jax.jit(agent.greedy_step if greedy else agent.step)
+    nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
     vec = make_vector_env(env, num_envs, vectorization, env_kwargs)
     try:
         stepper = HostEnvStepper(vec)
         env_step = stepper.reset(seed=seed)
-        step_state = agent._new_step_state(nets, jax.random.key(seed), num_envs)
+        step_state = agent.new_step_state(nets, jax.random.key(seed), num_envs)
         ended: list[tuple[float, int]] = []
         for _ in range(max_env_steps // num_envs):
             output, step_state = act(step_state, nets, env_step)

@@ -13,7 +13,6 @@ One cycle of a group with E envs and T = steps_per_cycle:
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 from collections.abc import Sequence
@@ -26,42 +25,14 @@ import numpy as np
 from sebulba import sharding
 from sebulba.accounting import Accounting, StageClock
 from sebulba.agent import Agent
+from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.envs import HostEnvStepper
-from sebulba.types import ActorOutput, EnvStep, Nets, StepState, Trajectory
-
-# How often blocking waits wake up to check whether the run is stopping.
-POLL_SECONDS = 0.05
-
-
-class QueueItem(NamedTuple):
-    """One inference cycle of one env group, placed on the learner devices."""
-
-    group: int
-    version: int  # learner version of the nets that acted
-    initial_step_state: StepState
-    final_step_state: StepState
-    trajectory: Trajectory
-    num_env_steps: int
+from sebulba.types import ActorOutput, EnvStep, StepState, Trajectory
 
 
 class _Buffer(NamedTuple):
     trajectory: Trajectory
     cursor: jax.Array  # int32 scalar: next time index to write
-
-
-class Staging:
-    """The latest published networks for one inference device: a deque(maxlen=1)."""
-
-    def __init__(self, device: jax.Device):
-        self.device = device
-        self._latest: collections.deque[tuple[int, Nets]] = collections.deque(maxlen=1)
-
-    def publish(self, version: int, nets: Nets) -> None:
-        """Copies `nets` to this device (asynchronously) and makes them the latest."""
-        self._latest.append((version, jax.device_put(nets, self.device)))
-
-    def latest(self) -> tuple[int, Nets]:
-        return self._latest[-1]
 
 
 class ActingFunctions:
@@ -112,25 +83,6 @@ class ActingFunctions:
             actor_outputs=jax.tree.map(lambda x: zeros(x, t), out_shape),
         )
         return jax.device_put(_Buffer(trajectory, np.zeros((), np.int32)), device)
-
-
-class ErrorBox:
-    """The first error of any thread; setting it stops the run."""
-
-    def __init__(self, stop: threading.Event):
-        self._stop = stop
-        self._lock = threading.Lock()
-        self.error: BaseException | None = None
-
-    def report(self, error: BaseException) -> None:
-        with self._lock:
-            if self.error is None and not self._stop.is_set():
-                self.error = error
-        self._stop.set()
-
-    def raise_if_any(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 class EnvGroupRunner:

@@ -1,21 +1,38 @@
-"""The learner's compiled functions, mapped over the learner devices.
+"""The learner: its state on the learner devices, its compiled functions, one update.
 
-Each function is `jax.jit(jax.shard_map(...))` over the 1-D learner mesh: the modern
-form of `pmap` (JAX's own `pmap` is implemented this way since 0.8). Arguments and
+One learner update takes one queue item (a group's trajectory, sharded over the learner
+devices) and runs, on every learner device at once:
+
+    experience = agent.update_experience(experience, initial, final, trajectory, nets)
+    repeat agent.num_off_policy_optims_per_cycle():      # optimizer steps
+        if agent.ready_to_learn(experience) on every learner device:
+            loss -> grads -> pmean over the learner devices -> agent.optimize_from_grads
+    publish agent.acting_nets(nets, updates) to every inference device's staging
+
+Each compiled function is `jax.jit(jax.shard_map(...))` over the 1-D learner mesh, the
+modern form of `pmap` (JAX's own `pmap` is implemented this way since 0.8). Arguments and
 results carry a leading learner axis; the agent's functions see one device's entry,
 without that axis. Gradients and metrics are averaged with `pmean` over the mesh.
+
+Units: `updates` counts learner updates (trajectories learnt from); policy lag is in
+these units. `optimizer_steps` counts the optimizer steps run, skipped ones included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sebulba import sharding
+from sebulba.accounting import Accounting
 from sebulba.agent import Agent, combine_partitions
-from sebulba.types import Experience, Metrics, Nets, OptState, StepState, Trajectory
+from sebulba.channels import QueueItem, Staging
+from sebulba.types import Experience, Metrics, Nets, OptState, PyTree
 
 LEARNER_AXIS = sharding.LEARNER_AXIS
 
@@ -35,20 +52,16 @@ def per_learner_device(
     return jax.jit(mapped, donate_argnums=donate_argnums)
 
 
-class LearnerFunctions:
-    """`update_experience` and one optimizer step, compiled over the learner devices."""
+def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experience
+                   ) -> tuple[Nets, OptState, Experience, Metrics]:
+    """One optimizer step on one learner device's entry (inside the learner's shard_map).
 
-    def __init__(self, agent: Agent, devices: Sequence[jax.Device]):
-        self.agent = agent
-        self.update_experience: Callable[
-            [Experience, StepState, StepState, Trajectory, Nets], Experience
-        ] = per_learner_device(agent.update_experience, devices, donate_argnums=(0,))
-        self.optimize: Callable[
-            [Nets, OptState, Experience], tuple[Nets, OptState, Experience, Metrics]
-        ] = per_learner_device(self._optimize, devices, donate_argnums=(0, 1, 2))
+    Skipped, with everything unchanged, unless `agent.ready_to_learn` holds on every
+    learner device. Metrics are averaged over the devices, with `loss` and `learning`
+    (1 where the step ran) added.
+    """
 
-    def _optimize(self, nets: Nets, opt: OptState, experience: Experience):
-        agent = self.agent
+    def learn(nets, opt, experience):
         diff, fixed = agent.partition_for_grad(nets)
 
         def loss_fn(diff_nets):
@@ -57,5 +70,116 @@ class LearnerFunctions:
         (loss, (experience, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(diff)
         grads = jax.lax.pmean(grads, LEARNER_AXIS)
         nets, opt = agent.optimize_from_grads(nets, opt, grads)
-        metrics = jax.lax.pmean({**metrics, "loss": loss}, LEARNER_AXIS)
-        return nets, opt, experience, metrics
+        return nets, opt, experience, {**metrics, "loss": loss}
+
+    ready = agent.ready_to_learn(experience)
+    if ready is True:  # the default: no conditional in the compiled step
+        nets, opt, experience, metrics = learn(nets, opt, experience)
+        return nets, opt, experience, jax.lax.pmean(metrics, LEARNER_AXIS)
+    ready = jnp.asarray(ready, bool)
+    # One verdict for all devices: a collective inside only some devices' branch would hang.
+    ready = jax.lax.pmin(ready.astype(jnp.int32), LEARNER_AXIS) > 0
+    out_shapes = jax.eval_shape(learn, nets, opt, experience)
+
+    def skip(nets, opt, experience):
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[3])
+        return nets, opt, experience, zeros
+
+    nets, opt, experience, metrics = jax.lax.cond(ready, learn, skip, nets, opt, experience)
+    metrics = jax.lax.pmean(metrics, LEARNER_AXIS)
+    return nets, opt, experience, {**metrics, "learning": ready.astype(jnp.float32)}
+
+
+class Learner:
+    """Owns the learner state of a run and runs learner updates on it.
+
+    Construction compiles nothing; `start` places a state on the learner devices (the
+    compiled functions are reused by later runs). Metrics are fetched one update late,
+    so the host never waits for the device to finish the update it just dispatched.
+    """
+
+    def __init__(self, agent: Agent, devices: Sequence[jax.Device], *,
+                 check_finite: bool = True):
+        optims = agent.num_off_policy_optims_per_cycle()
+        if not isinstance(optims, int) or isinstance(optims, bool) or optims < 0:
+            raise ValueError(
+                f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
+        self.agent = agent
+        self.devices = list(devices)  # the learner mesh: every process's learner devices
+        self.optims_per_update = optims
+        self.check_finite = check_finite
+        self.num_processes = len({d.process_index for d in self.devices})
+        self._update_experience = per_learner_device(
+            agent.update_experience, self.devices, donate_argnums=(0,))
+        self._optimize = per_learner_device(
+            lambda n, o, e: optimizer_step(agent, n, o, e), self.devices,
+            donate_argnums=(0, 1, 2))
+        self._acting_nets = jax.jit(agent.acting_nets)
+        self.start(None, None, None)
+
+    def start(self, nets: Nets | None, opt: OptState | None, experience: PyTree | None, *,
+              stagings: Iterable[Staging] = (), accounting: Accounting | None = None,
+              updates: int = 0) -> None:
+        """Takes the learner state of a run (leaves [num_learners, ...], on the mesh) and
+        publishes its networks to `stagings`."""
+        self.nets, self.opt, self.experience = nets, opt, experience
+        self.stagings = list(stagings)
+        self.accounting = accounting if accounting is not None else Accounting()
+        self.updates = updates
+        self.optimizer_steps = 0
+        self.metrics: dict[str, float] = {}
+        self._pending: tuple[int, Metrics] | None = None
+        self.published: Nets | None = None
+        if nets is not None:
+            self.publish()
+
+    def publish(self) -> None:
+        """Sends `acting_nets(nets, updates)` of the first local replica to every staging."""
+        single = sharding.first_replica(self.nets)
+        self.published = self._acting_nets(single, jnp.asarray(self.updates, jnp.int32))
+        for staging in self.stagings:
+            staging.publish(self.updates, self.published)
+
+    def update(self, item: QueueItem) -> None:
+        """One learner update on `item`: update_experience, optimizer steps, publish."""
+        try:
+            t0 = time.perf_counter()
+            self.experience = self._update_experience(
+                self.experience, item.initial_step_state, item.final_step_state,
+                item.trajectory, self.nets)
+            t1 = time.perf_counter()
+            metrics = None
+            for _ in range(self.optims_per_update):
+                self.nets, self.opt, self.experience, metrics = self._optimize(
+                    self.nets, self.opt, self.experience)
+            self.optimizer_steps += self.optims_per_update
+            self.updates += 1
+            if metrics is not None:
+                self.publish()
+                self._fetch_pending()
+                self._pending = (self.updates, metrics)
+            t2 = time.perf_counter()
+        except jax.errors.JaxRuntimeError as e:
+            if self.num_processes > 1:
+                raise RuntimeError(
+                    f"the learner's update across {self.num_processes} processes failed; a "
+                    f"peer process probably died or became unreachable: {e}") from e
+            raise
+        self.accounting.add_time("update_experience", t1 - t0)
+        self.accounting.add_time("optimize", t2 - t1)
+
+    def finish(self) -> None:
+        """Fetches the last update's metrics (and checks them)."""
+        self._fetch_pending()
+
+    def _fetch_pending(self) -> None:
+        if self._pending is None:
+            return
+        updates, metrics = self._pending
+        self._pending = None
+        values = {k: float(np.asarray(v.addressable_shards[0].data)[0])
+                  for k, v in metrics.items()}
+        if self.check_finite and not np.isfinite(values.get("loss", 0.0)):
+            raise FloatingPointError(
+                f"the learner's loss is {values['loss']} after update {updates}; metrics: {values}")
+        self.metrics = values

@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sebulba import sharding
 from sebulba.accounting import Accounting, RunResult
 from sebulba.agent import Agent, Layout
+from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.config import Config
 from sebulba.envs import (
     HostEnvStepper,
@@ -25,15 +25,8 @@ from sebulba.envs import (
     env_spec,
     make_vector_env,
 )
-from sebulba.inferencer import (
-    POLL_SECONDS,
-    ActingFunctions,
-    EnvGroupRunner,
-    ErrorBox,
-    QueueItem,
-    Staging,
-)
-from sebulba.learner import LearnerFunctions
+from sebulba.inferencer import ActingFunctions, EnvGroupRunner
+from sebulba.learner import Learner
 from sebulba.types import AgentState, Nets, PyTree
 
 
@@ -42,9 +35,11 @@ class UpdateInfo:
     """What `on_update` callbacks see after each learner iteration.
 
     Attributes:
-      version: optimizer steps taken so far.
-      metrics: the learner's latest metrics (floats; empty before the first update).
-      nets: the networks just published (first local learner replica, on device).
+      version: learner updates so far (trajectories learnt from; the unit of policy lag).
+      metrics: the learner's metrics of the previous update (floats; fetched one update
+        late so the learner never waits for the device; empty at first).
+      nets: what was just published to the actors, `Agent.acting_nets` of the networks
+        (first local learner replica, on device).
       accounting: live counters (env steps, consumed, episodes, stage seconds) of this
         process; read them, don't change them.
       learner_state(): the full learner state, for checkpoints.
@@ -91,11 +86,6 @@ class Sebulba:
             )
         if config.desync_episodes:
             check_desync(config.env, config.env_kwargs)
-        optims = agent.num_off_policy_optims_per_cycle()
-        if not isinstance(optims, int) or optims < 0:
-            raise ValueError(
-                f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
-        self.optims_per_cycle = optims
         self.layout = Layout(
             envs_per_group=config.envs_per_group,
             num_groups=config.num_groups,
@@ -104,7 +94,7 @@ class Sebulba:
             num_processes=self.num_processes,
         )
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
-        self.learner = LearnerFunctions(agent, self.learner_devices)
+        self.learner = Learner(agent, self.learner_devices, check_finite=config.check_finite)
 
     def initial_state(self) -> AgentState:
         """The agent's initial state; nets, optimizer and experience are the same in every
@@ -114,7 +104,7 @@ class Sebulba:
         state = self.agent.new_state(nets, state_key, self.layout)
         if self.process_index:
             step_key = jax.random.fold_in(state_key, self.process_index)
-            step_state = self.agent._new_step_state(nets, step_key, self.layout.total_envs)
+            step_state = self.agent.new_step_state(nets, step_key, self.layout.total_envs)
             state = state._replace(step_state=step_state)
         return state
 
@@ -148,8 +138,6 @@ class Sebulba:
         cfg = self.config
         state = self.initial_state() if state is None else state
         devices = self.learner_devices
-        nets = sharding.replicate(state.nets, devices)
-        opt = sharding.replicate(state.opt, devices)
         if local_experience is None:
             experience = sharding.replicate(state.experience, devices)
         else:
@@ -160,13 +148,14 @@ class Sebulba:
         accounting = Accounting()
         trajectories: queue.Queue[QueueItem] = queue.Queue(cfg.effective_queue_capacity)
         stagings = {d: Staging(d) for d in self.inference_devices}
-        version = 0
-        published = self._publish(stagings, nets, version)
+        learner = self.learner
+        learner.start(sharding.replicate(state.nets, devices),
+                      sharding.replicate(state.opt, devices), experience,
+                      stagings=stagings.values(), accounting=accounting)
 
         runners: list[EnvGroupRunner] = []
         threads: list[threading.Thread] = []
         popped: QueueItem | None = None
-        metrics: dict[str, float] = {}
         start = time.perf_counter()
         try:
             runners = self._make_runners(state.step_state, stagings, trajectories, stop, errors,
@@ -179,16 +168,16 @@ class Sebulba:
                 t.start()
             while accounting.consumed * self.num_processes < total_env_steps:
                 popped = self._get(trajectories, errors, accounting)
-                lag = version - popped.version
+                lag = learner.updates - popped.version
                 if learn:
-                    nets, opt, experience, version, published, metrics = self._learn(
-                        nets, opt, experience, popped, version, stagings, accounting,
-                        published, metrics)
+                    learner.update(popped)
                 accounting.add_consumed(popped.num_env_steps, lag)
                 popped = None
                 if on_update is not None:
-                    on_update(UpdateInfo(version, metrics, published, accounting,
-                                         _LearnerSnapshot(nets, opt, experience)))
+                    on_update(UpdateInfo(
+                        learner.updates, learner.metrics, learner.published, accounting,
+                        _LearnerSnapshot(learner.nets, learner.opt, learner.experience)))
+            learner.finish()
         finally:
             stop.set()
             still_alive = self._shut_down(threads, runners)
@@ -207,9 +196,9 @@ class Sebulba:
             except queue.Empty:
                 break
         final_state = AgentState(
-            nets=sharding.first_replica(nets),
-            opt=sharding.first_replica(opt),
-            experience=sharding.first_replica(experience),
+            nets=sharding.first_replica(learner.nets),
+            opt=sharding.first_replica(learner.opt),
+            experience=sharding.first_replica(learner.experience),
             step_state=_concat_env_axis([r.step_state for r in runners]),
         )
         return RunResult(
@@ -221,38 +210,13 @@ class Sebulba:
             episodes=accounting.episodes,
             policy_lags=accounting.policy_lags,
             stage_seconds=dict(accounting.stage_seconds),
-            learner_updates=version,
-            metrics=metrics,
+            learner_updates=learner.updates,
+            optimizer_steps=learner.optimizer_steps,
+            metrics=learner.metrics,
             num_processes=self.num_processes,
             state=final_state,
-            learner_experience=experience,
+            learner_experience=learner.experience,
         )
-
-    def _learn(self, nets, opt, experience, item: QueueItem, version: int, stagings,
-               accounting: Accounting, published, metrics):
-        """One learner iteration on `item`: update_experience, optimizer steps, publish."""
-        try:
-            t0 = time.perf_counter()
-            experience = self.learner.update_experience(
-                experience, item.initial_step_state, item.final_step_state, item.trajectory,
-                nets)
-            t1 = time.perf_counter()
-            for _ in range(self.optims_per_cycle):
-                nets, opt, experience, step_metrics = self.learner.optimize(nets, opt, experience)
-                version += 1
-            if self.optims_per_cycle:
-                published = self._publish(stagings, nets, version)
-                metrics = self._fetch_metrics(step_metrics, version)
-            t2 = time.perf_counter()
-        except jax.errors.JaxRuntimeError as e:
-            if self.num_processes > 1:
-                raise RuntimeError(
-                    f"the learner's update across {self.num_processes} processes failed; a "
-                    f"peer process probably died or became unreachable: {e}") from e
-            raise
-        accounting.add_time("update_experience", t1 - t0)
-        accounting.add_time("optimize", t2 - t1)
-        return nets, opt, experience, version, published, metrics
 
     def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):
         cfg = self.config
@@ -285,13 +249,6 @@ class Sebulba:
             raise
         return runners
 
-    def _publish(self, stagings: dict[jax.Device, Staging], nets: PyTree, version: int) -> PyTree:
-        """Copies the nets to every inference device; returns the copy on the learner."""
-        single = sharding.first_replica(nets)
-        for staging in stagings.values():
-            staging.publish(version, single)
-        return single
-
     def _get(self, trajectories: queue.Queue, errors: ErrorBox,
              accounting: Accounting) -> QueueItem:
         t0 = time.perf_counter()
@@ -304,14 +261,6 @@ class Sebulba:
                 continue
         accounting.add_time("queue_get", time.perf_counter() - t0)
         return item
-
-    def _fetch_metrics(self, metrics: PyTree, version: int) -> dict[str, float]:
-        values = {k: float(np.asarray(v.addressable_shards[0].data)[0]) for k, v in metrics.items()}
-        if self.config.check_finite and not np.isfinite(values["loss"]):
-            raise FloatingPointError(
-                f"the learner's loss is {values['loss']} after update {version}; metrics: {values}"
-            )
-        return values
 
     def _shut_down(
         self, threads: list[threading.Thread], runners: list[EnvGroupRunner]

@@ -1,7 +1,10 @@
 """Small Gymnasium envs that need memory, to tell recurrent agents from feed-forward ones.
 
-Registered on `import sebulba`, so their ids work with `gymnasium.make_vec` and the
-launcher's --env, in subprocess workers too (the entry points are import paths):
+Registered when this module is imported, which gymnasium does for an id written in
+its `module:Id` form, so `import sebulba` registers nothing and these work with
+`gymnasium.make_vec` and the launcher's --env, in subprocess workers too:
+
+  gymnasium.make("sebulba.memory_envs:sebulba/CueRecall-v0")
 
   sebulba/CueRecall-v0           a cue at the first step, recalled `delay` steps later
   sebulba/CartPoleNoVelocity-v1  CartPole-v1 observing only cart position and pole angle
@@ -92,3 +95,7 @@ def _register() -> None:
 
 
 _register()
+
+# The ids in `module:Id` form, which import this module (and so register the envs).
+CUE_RECALL = f"{__name__}:sebulba/CueRecall-v0"
+CARTPOLE_NO_VELOCITY = f"{__name__}:sebulba/CartPoleNoVelocity-v1"

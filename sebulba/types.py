@@ -6,8 +6,10 @@ Shapes use `E` for the envs of one env group (or of one learner shard) and `T` f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
+import gymnasium as gym
 import jax
 
 PyTree = Any
@@ -16,6 +18,25 @@ OptState = PyTree
 Experience = PyTree
 StepState = PyTree
 Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """The spaces of one (unbatched) env; agents build their networks from it."""
+
+    observation_space: gym.spaces.Box
+    action_space: gym.spaces.Discrete | gym.spaces.Box
+
+    @property
+    def obs_shape(self) -> tuple[int, ...]:
+        return tuple(self.observation_space.shape)
+
+    @property
+    def num_actions(self) -> int:
+        """Number of discrete actions; an error for continuous action spaces."""
+        if not isinstance(self.action_space, gym.spaces.Discrete):
+            raise TypeError(f"num_actions needs a Discrete action space, got {self.action_space}")
+        return int(self.action_space.n)
 
 
 class EnvStep(NamedTuple):

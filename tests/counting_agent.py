@@ -34,13 +34,13 @@ class CountingAgent(sebulba.Agent):
     def new_networks(self, key):
         return {"w": jnp.ones(())}
 
-    def _new_step_state(self, nets, key, num_envs):
+    def new_step_state(self, nets, key, num_envs):
         return CountingStepState(jnp.zeros(num_envs, jnp.int32), jnp.full(num_envs, -1.0))
 
-    def _new_opt_state(self, nets, key):
+    def new_opt_state(self, nets, key):
         return ()
 
-    def _new_experience_state(self, nets, key, layout):
+    def new_experience_state(self, nets, key, layout):
         c, e, t = self.capacity, layout.envs_per_learner_shard, layout.steps_per_cycle
         return Log(
             obs=jnp.zeros((c, e, t + 1, 3)),

@@ -29,7 +29,7 @@ class AdamCounting(CountingAgent):
     def new_networks(self, key):
         return {"w": jnp.ones(()), "v": jnp.full((3,), 2.0)}
 
-    def _new_opt_state(self, nets, key):
+    def new_opt_state(self, nets, key):
         return self.optimizer.init(nets)
 
     def loss(self, nets, opt, experience):

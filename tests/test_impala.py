@@ -41,10 +41,10 @@ def test_step_records_the_behaviour_log_prob(use_lstm):
     nets = agent.new_networks(jax.random.key(0))
     env_step = example_env_step(SPEC, 5)._replace(
         obs=jax.random.normal(jax.random.key(1), (5, 4)), first=jnp.ones(5, bool))
-    state = agent._new_step_state(nets, jax.random.key(2), 5)
-    _, logits, _ = agent._unroll(nets, state.lstm, env_step.obs[:, None],
+    state = agent.new_step_state(nets, jax.random.key(2), 5)
+    _, out = agent.network.apply(nets, state.core, env_step.obs[:, None],
                                  env_step.first[:, None])
-    log_probs = np.asarray(jax.nn.log_softmax(logits[:, 0]))
+    log_probs = np.asarray(jax.nn.log_softmax(out.logits[:, 0]))
 
     out, _ = jax.jit(agent.step)(state, nets, env_step)
     chosen = log_probs[np.arange(5), np.asarray(out.action)]
@@ -65,9 +65,9 @@ def test_lstm_training_unroll_reproduces_the_acting_policy():
     first = np.zeros((num_envs, t_len + 1), bool)
     first[0, 3] = first[1, 0] = first[2, 5] = True  # episodes start mid-trajectory
     terminated = np.roll(first, -1, axis=1) & ~np.eye(1, t_len + 1, t_len, dtype=bool)
-    state = agent._new_step_state(nets, jax.random.key(2), num_envs)
+    state = agent.new_step_state(nets, jax.random.key(2), num_envs)
     # A non-zero state to start from, as after earlier cycles.
-    state = state._replace(lstm=jax.tree.map(lambda x: x + 0.5, state.lstm))
+    state = state._replace(core=jax.tree.map(lambda x: x + 0.5, state.core))
     initial = state
 
     step = jax.jit(agent.step)
@@ -87,16 +87,16 @@ def test_lstm_training_unroll_reproduces_the_acting_policy():
             action=jnp.stack(actions, 1), extras={"log_prob": jnp.stack(log_probs, 1)}))
     layout = sebulba.Layout(envs_per_group=num_envs, num_groups=1, steps_per_cycle=t_len,
                             num_learner_devices=1)
-    experience = agent._new_experience_state(nets, jax.random.key(3), layout)
+    experience = agent.new_experience_state(nets, jax.random.key(3), layout)
     experience = jax.jit(agent.update_experience)(experience, initial, state, trajectory, nets)
-    _, (_, metrics) = jax.jit(agent.loss)(nets, agent._new_opt_state(nets, None), experience)
+    _, (_, metrics) = jax.jit(agent.loss)(nets, agent.new_opt_state(nets, None), experience)
     np.testing.assert_allclose(float(metrics["rho_mean"]), 1.0, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["approx_kl"]), 0.0, atol=1e-6)
 
     # Without the reset, or from a zero state, the unroll would differ.
-    _, logits, _ = agent._unroll(nets, initial.lstm, obs, jnp.zeros_like(first))
-    _, logits_reset, _ = agent._unroll(nets, initial.lstm, obs, jnp.asarray(first))
-    assert not np.allclose(np.asarray(logits[0, 3:]), np.asarray(logits_reset[0, 3:]))
+    _, out = agent.network.apply(nets, initial.core, obs, jnp.zeros_like(first))
+    _, out_reset = agent.network.apply(nets, initial.core, obs, jnp.asarray(first))
+    assert not np.allclose(np.asarray(out.logits[0, 3:]), np.asarray(out_reset.logits[0, 3:]))
 
 
 @pytest.mark.timeout(120)
@@ -118,11 +118,11 @@ def _experience(agent, nets, reward):
     steps = trajectory.env_steps._replace(
         obs=jax.random.normal(jax.random.key(1), trajectory.env_steps.obs.shape),
         reward=jnp.full((4, 6), reward, jnp.float32))
-    _, logits, _ = agent._unroll(nets, None, steps.obs[:, :-1], steps.first[:, :-1])
+    _, out = agent.network.apply(nets, (), steps.obs[:, :-1], steps.first[:, :-1])
     outputs = sebulba.ActorOutput(
         action=trajectory.actor_outputs.action,
-        extras={"log_prob": jax.nn.log_softmax(logits)[..., 0]})
-    return agent.update_experience(None, agent._new_step_state(nets, jax.random.key(0), 4),
+        extras={"log_prob": jax.nn.log_softmax(out.logits)[..., 0]})
+    return agent.update_experience(None, agent.new_step_state(nets, jax.random.key(0), 4),
                                    None, sebulba.Trajectory(steps, outputs), nets)
 
 
@@ -146,7 +146,7 @@ def test_an_optimizer_step_lowers_the_loss(optimizer):
                                       optimizer_eps=1e-8))
     nets = agent.new_networks(jax.random.key(0))
     experience = _experience(agent, nets, 1.0)
-    opt = agent._new_opt_state(nets, None)
+    opt = agent.new_opt_state(nets, None)
     loss_and_grad = jax.value_and_grad(lambda n: agent.loss(n, opt, experience)[0])
     before, grads = loss_and_grad(nets)
     nets, _ = agent.optimize_from_grads(nets, opt, grads)

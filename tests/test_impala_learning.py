@@ -11,6 +11,7 @@ import pytest
 
 import sebulba
 from agents.impala import IMPALA, IMPALAConfig
+from sebulba import memory_envs
 
 
 def train(env: str, total_env_steps: int, seed: int, agent_config: IMPALAConfig,
@@ -46,7 +47,7 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     # must carry the cue over 6 steps.
     # Measured last-10% means at 120k, LSTM: 0.993, 0.993, 0.995; feed-forward: 0.492,
     # 0.484, 0.504 (seeds 0, 1, 2); ~20-40 s per run on 2 shared cores.
-    env, kwargs = "sebulba/CueRecall-v0", {"num_cues": 2, "delay": 5}
+    env, kwargs = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 5}
     lstm = train(env, 120_000, seed=0, env_kwargs=kwargs,
                  agent_config=IMPALAConfig(use_lstm=True, hidden_sizes=(64,)))
     feed_forward = train(env, 120_000, seed=0, env_kwargs=kwargs, agent_config=IMPALAConfig())

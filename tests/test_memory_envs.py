@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sebulba  # noqa: F401  (registers the ids)
+from sebulba import memory_envs
 from sebulba.envs import close_vector_env, make_vector_env
 from sebulba.memory_envs import CueRecall
 
@@ -37,8 +38,8 @@ def test_cue_recall_rejects_bad_arguments():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("vectorization", ["sync", "async"])
 def test_ids_work_in_vector_envs(vectorization, no_leftovers):
-    cartpole = make_vector_env("sebulba/CartPoleNoVelocity-v1", 2, vectorization)
-    cue = make_vector_env("sebulba/CueRecall-v0", 2, vectorization, env_kwargs={"delay": 1})
+    cartpole = make_vector_env(memory_envs.CARTPOLE_NO_VELOCITY, 2, vectorization)
+    cue = make_vector_env(memory_envs.CUE_RECALL, 2, vectorization, env_kwargs={"delay": 1})
     try:
         obs, _ = cartpole.reset(seed=0)
         assert obs.shape == (2, 2)

@@ -10,6 +10,7 @@ import pytest
 
 import sebulba
 from agents.ppo import PPO, PPOConfig
+from sebulba import memory_envs
 from sebulba.envs import example_env_step
 from sebulba.types import EnvStep, Trajectory
 
@@ -51,9 +52,9 @@ def test_step_records_the_log_prob_and_greedy_step_takes_the_argmax():
     agent = PPO(SPEC)
     nets = agent.new_networks(jax.random.key(0))
     env_step = example_env_step(SPEC, 5)._replace(obs=jax.random.normal(jax.random.key(1), (5, 4)))
-    state = agent._new_step_state(nets, jax.random.key(2), 5)
-    logits, _ = agent.network.apply(nets, env_step.obs)
-    log_probs = np.asarray(jax.nn.log_softmax(logits))
+    state = agent.new_step_state(nets, jax.random.key(2), 5)
+    _, out = agent.network.apply(nets, (), env_step.obs[:, None], env_step.first[:, None])
+    log_probs = np.asarray(jax.nn.log_softmax(out.logits[:, 0]))
 
     out, _ = jax.jit(agent.step)(state, nets, env_step)
     chosen = log_probs[np.arange(5), np.asarray(out.action)]
@@ -66,7 +67,7 @@ def test_step_records_the_log_prob_and_greedy_step_takes_the_argmax():
 def prepared(agent: PPO, trajectory: Trajectory, nets, num_envs: int, steps: int):
     layout = sebulba.Layout(envs_per_group=num_envs, num_groups=1, steps_per_cycle=steps,
                             num_learner_devices=1)
-    experience = agent._new_experience_state(nets, jax.random.key(1), layout)
+    experience = agent.new_experience_state(nets, jax.random.key(1), layout)
     return jax.jit(agent.update_experience)(experience, None, None, trajectory, nets)
 
 
@@ -126,7 +127,7 @@ def test_lstm_training_unrolls_each_segment_from_the_actors_state():
                                 bptt_horizon=3, num_minibatches=2))
     nets = agent.new_networks(jax.random.key(0))
     e, t = 4, 6
-    state = agent._new_step_state(nets, jax.random.key(1), e)
+    state = agent.new_step_state(nets, jax.random.key(1), e)
     # Mid-episode, as a trajectory that continues one: a non-zero state and no first flag.
     state = state._replace(core=jax.tree.map(
         lambda c: jax.random.normal(jax.random.key(2), c.shape), state.core))
@@ -140,12 +141,13 @@ def test_lstm_training_unrolls_each_segment_from_the_actors_state():
         np.testing.assert_allclose(leaf[0::2], init, rtol=1e-6)
     # Unrolling each segment from its stored state reproduces the actor's policy exactly,
     # resets inside a segment (env 2 at step 4) included.
-    _, logits, _ = agent._unroll(nets, batch.core, batch.obs, batch.first)
+    _, out = agent.network.apply(nets, batch.core, batch.obs, batch.first)
+    logits = out.logits
     log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), batch.action[..., None], -1)[..., 0]
     np.testing.assert_allclose(log_prob, batch.behaviour_log_prob, atol=1e-5)
     # The stored state matters: from zeros, segments continuing an episode act differently ...
     zeros = jax.tree.map(jnp.zeros_like, batch.core)
-    _, from_zeros, _ = agent._unroll(nets, zeros, batch.obs, batch.first)
+    from_zeros = agent.network.apply(nets, zeros, batch.obs, batch.first)[1].logits
     assert not np.allclose(from_zeros[1], logits[1], atol=1e-4)
     # ... except where an episode starts at the segment's first step (env 1, step 3).
     np.testing.assert_allclose(from_zeros[3], logits[3], atol=1e-6)
@@ -159,7 +161,7 @@ def test_importance_weights_multiply_the_policy_loss():
     nets = agent.new_networks(jax.random.key(0))
     e, t = 4, 8
     obs = jax.random.normal(jax.random.key(1), (e, t + 1, 4))
-    trajectory = act(agent, nets, agent._new_step_state(nets, jax.random.key(2), e), obs,
+    trajectory = act(agent, nets, agent.new_step_state(nets, jax.random.key(2), e), obs,
                      jnp.zeros((e, t + 1), bool).at[:, 0].set(True))
     # Rewards give the segments different advantages, so different priorities.
     reward = jax.random.uniform(jax.random.key(3), (e, t + 1)) * jnp.arange(1.0, e + 1)[:, None]
@@ -178,14 +180,16 @@ def test_importance_weights_multiply_the_policy_loss():
 
 @pytest.mark.timeout(180)
 def test_lstm_ppo_runs_on_segments_across_two_learner_devices(no_leftovers):
-    env, kwargs = "sebulba/CueRecall-v0", {"num_cues": 2, "delay": 3}
+    env, kwargs = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 3}
     agent = PPO(sebulba.env_spec(env, kwargs),
                 PPOConfig(use_lstm=True, hidden_sizes=(16,), lstm_size=16, bptt_horizon=4,
                           num_minibatches=2, num_epochs=1, prio_alpha=0.5, num_segments=16))
     config = sebulba.Config(env=env, env_kwargs=kwargs, envs_per_group=4, steps_per_cycle=16,
                             async_factor=2, inference_devices=[0], learner_devices=[1, 2])
     result = sebulba.Sebulba(agent, config).run(4 * 16 * 6)
-    assert result.learner_updates == 2 * result.consumed // (4 * 16)
+    # One learner update per trajectory, 2 optimizer steps (2 minibatches) each.
+    assert result.learner_updates == result.consumed // (4 * 16)
+    assert result.optimizer_steps == 2 * result.learner_updates
     assert np.isfinite(result.metrics["loss"]) and 0 < result.metrics["importance_weight"] <= 1
     # Each learner device holds its 2 envs' 8 segments, with the actor's state at their starts.
     batch = result.state.experience.batch

@@ -7,11 +7,12 @@ import pytest
 
 import sebulba
 from agents.ppo import PPO, PPOConfig
+from sebulba import memory_envs
 
 CARTPOLE = "CartPole-v1"  # a uniformly random policy scores ~22
-CUE_RECALL = "sebulba/CueRecall-v0"
+CUE_RECALL = memory_envs.CUE_RECALL
 CUES = {"num_cues": 4, "delay": 5}  # episodes of 7 steps: cue, 5 blanks, query
-NO_VELOCITY = "sebulba/CartPoleNoVelocity-v1"
+NO_VELOCITY = memory_envs.CARTPOLE_NO_VELOCITY
 
 
 def train(env: str, total_env_steps: int, seed: int, env_kwargs=None,

@@ -13,8 +13,9 @@ import sebulba
 from agents.common.recurrent import initial_lstm_state
 from agents.common.value_rescaling import rescale
 from agents.r2d2 import R2D2, R2D2Config, Sequence, n_step_returns
+from sebulba import memory_envs
 from sebulba.experience import replay as rp
-from sebulba.learner import LearnerFunctions
+from sebulba.learner import optimizer_step, per_learner_device
 from sebulba.types import EnvStep, Trajectory
 
 OBS_DIM, NUM_ACTIONS, H = 3, 2, 8
@@ -49,7 +50,7 @@ def random_sequences(key, num: int, cfg: R2D2Config, first_rate: float = 0.1) ->
 def experience_with(agent: R2D2, nets, sequences: Sequence, priorities) -> object:
     layout = sebulba.Layout(envs_per_group=4, num_groups=1,
                             steps_per_cycle=agent.config.sequence_period, num_learner_devices=1)
-    exp = agent._new_experience_state(nets, jax.random.key(7), layout)
+    exp = agent.new_experience_state(nets, jax.random.key(7), layout)
     n = len(priorities)
     replay = rp.insert(exp.replay, sequences)
     replay = rp.update_priorities(replay, jnp.arange(n), jnp.asarray(priorities, jnp.float32))
@@ -80,7 +81,7 @@ def test_config_errors_name_the_value_and_the_expectation():
 @pytest.mark.timeout(240)
 def test_exploration_rates_spread_over_all_envs():
     agent = R2D2(SPEC, small_config())
-    state = agent._new_step_state(None, jax.random.key(0), 8)
+    state = agent.new_step_state(None, jax.random.key(0), 8)
     expected = 0.4 ** (1 + 7 * np.arange(8) / 7)
     np.testing.assert_allclose(state.epsilon, expected, rtol=1e-6)
     np.testing.assert_array_equal(state.env_index, np.arange(8))
@@ -113,14 +114,15 @@ def act_and_record(agent, nets, step_state, envs, rng, cycles, T):
     env steps, actions and the actor's LSTM state before each step.
     """
     step = jax.jit(agent.step)
+    nets = agent.acting_nets(nets, 0)
     env_step = EnvStep(obs=jnp.asarray(rng.normal(size=(envs, OBS_DIM)), jnp.float32),
                        reward=jnp.zeros(envs), terminated=jnp.zeros(envs, bool),
                        truncated=jnp.zeros(envs, bool), first=jnp.ones(envs, bool))
-    items, stream = [], {"steps": [], "actions": [], "lstm": []}
+    items, stream = [], {"steps": [], "actions": [], "core": []}
     for _ in range(cycles):
         initial, steps, actions = step_state, [], []
         for _ in range(T):
-            stream["lstm"].append(step_state.lstm)
+            stream["core"].append(step_state.core)
             out, step_state = step(step_state, nets, env_step)
             steps.append(env_step)
             actions.append(out.action)
@@ -178,8 +180,8 @@ def test_sequences_hold_the_actors_states_and_steps(length):
         # Which sequence of this env: rows of the same env are inserted in time order.
         j = sum(int(replay.items.env_index[p]) == env for p in range(i))
         start = j * T
-        np.testing.assert_array_equal(item.lstm.hidden, stream["lstm"][start].hidden[row])
-        np.testing.assert_array_equal(item.lstm.cell, stream["lstm"][start].cell[row])
+        np.testing.assert_array_equal(item.core.hidden, stream["core"][start].hidden[row])
+        np.testing.assert_array_equal(item.core.cell, stream["core"][start].cell[row])
         obs = np.stack([s.obs[row] for s in stream["steps"][start:start + length]])
         np.testing.assert_array_equal(item.env_steps.obs[:length], obs)
         first = np.array([s.first[row] for s in stream["steps"][start:start + length]])
@@ -203,10 +205,10 @@ def test_burn_in_steps_contribute_zero_gradient():
         seqs = seqs._replace(env_steps=seqs.env_steps._replace(obs=obs))
 
         def loss(online):
-            losses, _, _ = agent.sequence_losses({**nets, "online": online}, seqs)
+            losses, _, _ = agent.sequence_losses(nets._replace(online=online), seqs)
             return jnp.mean(losses)
 
-        g = jax.jit(jax.grad(loss))(nets["online"])
+        g = jax.jit(jax.grad(loss))(nets.online)
         return np.asarray(g["params"]["torso"]["Dense_0"]["kernel"])
 
     kernel_grad = grads(burn_in=3)
@@ -232,7 +234,7 @@ def test_state_resets_where_an_episode_starts_inside_a_sequence():
         reward=steps.reward.at[1, 3:].set(steps.reward[0, 3:]).at[:, 3].set(0.0))
     seqs = seqs._replace(
         env_steps=steps, action=seqs.action.at[1].set(seqs.action[0]),
-        lstm=jax.tree.map(lambda x: x.at[1].set(-3.0 * x[0] + 1.0), seqs.lstm))
+        core=jax.tree.map(lambda x: x.at[1].set(-3.0 * x[0] + 1.0), seqs.core))
     sequence_losses = jax.jit(agent.sequence_losses)
     losses, priorities, _ = sequence_losses(nets, seqs)
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
@@ -244,11 +246,11 @@ def test_state_resets_where_an_episode_starts_inside_a_sequence():
     # Acting resets too: a `first` step from any state acts as from the zero state.
     env_step = EnvStep(steps.obs[:, 3], steps.reward[:, 3], jnp.zeros(2, bool),
                        jnp.zeros(2, bool), jnp.ones(2, bool))
-    state = agent._new_step_state(nets, jax.random.key(2), 2)
-    carried = state._replace(lstm=jax.tree.map(lambda x: x + 2.0, state.lstm))
-    a, s_a = agent.greedy_step(state, nets, env_step)
-    b, s_b = agent.greedy_step(carried, nets, env_step)
-    np.testing.assert_allclose(s_a.lstm.hidden, s_b.lstm.hidden, rtol=1e-6)
+    state = agent.new_step_state(nets, jax.random.key(2), 2)
+    carried = state._replace(core=jax.tree.map(lambda x: x + 2.0, state.core))
+    a, s_a = agent.greedy_step(state, nets.online, env_step)
+    b, s_b = agent.greedy_step(carried, nets.online, env_step)
+    np.testing.assert_allclose(s_a.core.hidden, s_b.core.hidden, rtol=1e-6)
 
 
 @pytest.mark.timeout(240)
@@ -272,9 +274,10 @@ def test_importance_weights_scale_the_loss():
 
 
 def one_learner_step(agent, nets, opt, experience):
-    learner = LearnerFunctions(agent, jax.devices()[:1])
+    optimize = per_learner_device(lambda n, o, e: optimizer_step(agent, n, o, e),
+                                  jax.devices()[:1], donate_argnums=())
     lead = jax.tree.map(lambda x: x[None], (nets, opt, experience))
-    out = learner.optimize(*lead)
+    out = optimize(*lead)
     return jax.tree.map(lambda x: x[0], out)
 
 
@@ -283,7 +286,7 @@ def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     cfg = small_config(target_update_period=2)
     agent = R2D2(SPEC, cfg)
     nets = agent.new_networks(jax.random.key(0))
-    opt = agent._new_opt_state(nets, jax.random.key(0))
+    opt = agent.new_opt_state(nets, jax.random.key(0))
     seqs = random_sequences(jax.random.key(1), 16, cfg)
     experience = experience_with(agent, nets, seqs, np.full(16, 0.5))
     _, sample_key = jax.random.split(experience.key)
@@ -299,14 +302,13 @@ def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     np.testing.assert_array_equal(new_exp.replay.priorities[untouched], 0.5)
     assert float(new_exp.replay.max_priority) == pytest.approx(max(0.5, float(expected.max())))
     assert int(new_opt.steps) == 1 and float(metrics["learning"]) == 1.0
-    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new_nets["online"],
-                           nets["online"])
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new_nets.online, nets.online)
     assert all(jax.tree.leaves(changed))
-    jax.tree.map(np.testing.assert_array_equal, new_nets["target"], nets["target"])
+    jax.tree.map(np.testing.assert_array_equal, new_nets.target, nets.target)
     # The second step (target_update_period=2) copies the online net to the target.
     nets2, opt2, _, _ = one_learner_step(agent, new_nets, new_opt, new_exp)
     assert int(opt2.steps) == 2
-    jax.tree.map(np.testing.assert_array_equal, nets2["target"], nets2["online"])
+    jax.tree.map(np.testing.assert_array_equal, nets2.target, nets2.online)
 
 
 @pytest.mark.timeout(240)
@@ -314,7 +316,7 @@ def test_warm_up_changes_nothing_until_the_replay_holds_min_replay_size():
     cfg = small_config(min_replay_size=17)
     agent = R2D2(SPEC, cfg)
     nets = agent.new_networks(jax.random.key(0))
-    opt = agent._new_opt_state(nets, jax.random.key(0))
+    opt = agent.new_opt_state(nets, jax.random.key(0))
     experience = experience_with(agent, nets, random_sequences(jax.random.key(1), 16, cfg),
                                  np.full(16, 0.5))
     new_nets, new_opt, new_exp, metrics = one_learner_step(agent, nets, opt, experience)
@@ -329,7 +331,7 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
     # Learning never starts (min_replay_size = capacity), so the networks stay the
     # initial ones and the learner can recompute what the actors did: a sequence's
     # stored state, unrolled over its first T steps, is the next sequence's stored state.
-    env, kwargs, T, E = "sebulba/CueRecall-v0", {"num_cues": 2, "delay": 3}, 4, 4
+    env, kwargs, T, E = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 3}, 4, 4
     cfg = R2D2Config(torso_sizes=(8,), lstm_size=H, head_sizes=(8,), sequence_length=2 * T,
                      sequence_overlap=T, burn_in=2, batch_size=4, replay_capacity=200,
                      min_replay_size=200)
@@ -338,7 +340,7 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
                             async_factor=2, learner_devices=[0, 1], seed=3)
     result = sebulba.Sebulba(agent, config).run(2 * E * T * 12)
     nets = result.state.nets
-    unroll = jax.jit(agent.unroll)
+    unroll = jax.jit(agent.network.apply)
     assert result.learner_updates == 0 or result.metrics["learning"] == 0.0
     for device in range(2):
         exp = jax.tree.map(lambda x, d=device: x[d], result.learner_experience)
@@ -358,12 +360,12 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
                 np.testing.assert_array_equal(seq_a.env_steps.obs[T:], seq_b.env_steps.obs[:T + 1])
                 np.testing.assert_array_equal(seq_a.action[T:], seq_b.action[:T])
                 # ... and the stored state is the actors' state at the sequence's start.
-                state, _ = unroll(nets["online"],
-                                  jax.tree.map(lambda x: x[None], seq_a.lstm),
+                state, _ = unroll(nets.online,
+                                  jax.tree.map(lambda x: x[None], seq_a.core),
                                   seq_a.env_steps.obs[None, :T],
                                   seq_a.env_steps.first[None, :T])
-                np.testing.assert_allclose(state.hidden[0], seq_b.lstm.hidden, atol=1e-5)
-                np.testing.assert_allclose(state.cell[0], seq_b.lstm.cell, atol=1e-5)
+                np.testing.assert_allclose(state.hidden[0], seq_b.core.hidden, atol=1e-5)
+                np.testing.assert_allclose(state.cell[0], seq_b.core.cell, atol=1e-5)
                 checked += 1
         assert checked >= 4
 

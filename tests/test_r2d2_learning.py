@@ -11,10 +11,11 @@ import pytest
 
 import sebulba
 from agents.r2d2 import R2D2, R2D2Config
+from sebulba import memory_envs
 
-CUE_RECALL = "sebulba/CueRecall-v0"
+CUE_RECALL = memory_envs.CUE_RECALL
 CUE_KWARGS = {"num_cues": 2, "delay": 5}  # 7-step episodes; chance is 0.5, the max 1
-CARTPOLE = "sebulba/CartPoleNoVelocity-v1"  # a uniformly random policy scores ~22
+CARTPOLE = memory_envs.CARTPOLE_NO_VELOCITY  # a uniformly random policy scores ~22
 
 
 def run(env: str, env_kwargs: dict, config: R2D2Config, steps: int,

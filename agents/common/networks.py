@@ -1,12 +1,38 @@
-"""Flax Linen networks shared by agents."""
+"""One network protocol for every agent: a torso, a core and a head, unrolled over [B, T].
+
+    network = Unroll(torso, core, head)
+    state = network.initial_state(batch)                      # () for a feed-forward core
+    state, outputs = network.apply(params, state, obs, first)   # obs [B, T, ...], first [B, T]
+
+- torso: per-step features, [B, T, *obs_shape] -> [B, T, D] (`MLP`, `NatureCNN`).
+- core: the only part with memory, (state, x [B, T, D], first [B, T]) -> (state, y [B, T, D'])
+  with `initial_state(batch)`. `NoCore` has the empty state `()` and passes x through;
+  `LSTMCore` resets its state before every step whose `first` is set.
+- head: what the agent reads off the features (`PolicyValueHead`, `DuelingQHead`).
+
+Acting is the T = 1 case of the same call (`act`), training unrolls a trajectory or a
+segment from the state the actor had at its first step, so acting and training cannot
+drift apart, and no agent branches on whether its network is recurrent (the model is
+acme's `UnrollableNetwork`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
+
+Params = Any
+CoreState = Any  # a pytree with leaves [B, ...]; () for feed-forward networks
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {"tanh": nn.tanh, "relu": nn.relu}
 
 
 def flatten_trailing(x: jax.Array, rank: int) -> jax.Array:
@@ -15,56 +41,32 @@ def flatten_trailing(x: jax.Array, rank: int) -> jax.Array:
     return x.reshape(batch_shape + (-1,))
 
 
+# Torsos: [B, T, *obs_shape] -> [B, T, D].
+
+
 class MLP(nn.Module):
-    """ReLU layers of `hidden_sizes`; no activation on the last if `activate_final` is False."""
+    """Dense layers of `hidden_sizes` over the flattened last `obs_rank` dims.
+
+    `activation` "tanh" uses orthogonal sqrt(2) init (CleanRL's actor-critic layers),
+    "relu" Flax's default (R2D2's). With `activate_final` False the last layer is linear.
+    """
 
     hidden_sizes: Sequence[int]
+    activation: str = "tanh"
+    obs_rank: int = 1
     activate_final: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = flatten_trailing(x, self.obs_rank).astype(jnp.float32)
+        act = _ACTIVATIONS[self.activation]
+        kwargs = ({"kernel_init": nn.initializers.orthogonal(np.sqrt(2.0))}
+                  if self.activation == "tanh" else {})
         for i, size in enumerate(self.hidden_sizes):
-            x = nn.Dense(size)(x)
+            x = nn.Dense(size, **kwargs)(x)
             if self.activate_final or i < len(self.hidden_sizes) - 1:
-                x = nn.relu(x)
+                x = act(x)
         return x
-
-
-class TanhMLP(nn.Module):
-    """tanh layers of `hidden_sizes` with orthogonal sqrt(2) init (CleanRL's hidden layers)."""
-
-    hidden_sizes: Sequence[int]
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for size in self.hidden_sizes:
-            x = nn.tanh(nn.Dense(size, kernel_init=nn.initializers.orthogonal(jnp.sqrt(2.0)))(x))
-        return x
-
-
-class SeparatePolicyValueMLP(nn.Module):
-    """Separate tanh MLPs for the policy and the value (CleanRL's actor and critic).
-
-    Maps observations [..., *obs_shape] with len(obs_shape) == obs_rank to (logits
-    [..., num_actions], value [...]); the obs_rank trailing dims are flattened. Separate
-    torsos keep the value loss, much larger than the policy's on CartPole-v1, from
-    reshaping the policy's features. Output init: a near-uniform initial policy (gain
-    0.01 on the logits) and unit-scale values.
-    """
-
-    num_actions: int
-    hidden_sizes: Sequence[int] = (64, 64)
-    obs_rank: int = 1
-
-    @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = flatten_trailing(obs, self.obs_rank).astype(jnp.float32)
-        policy = TanhMLP(self.hidden_sizes, name="policy_torso")(x)
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01),
-                          name="policy_head")(policy)
-        value = TanhMLP(self.hidden_sizes, name="value_torso")(x)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value_head")(value)
-        return logits, value[..., 0]
 
 
 class NatureCNN(nn.Module):
@@ -79,7 +81,7 @@ class NatureCNN(nn.Module):
         batch_shape = frames.shape[:-3]
         x = frames.reshape((-1,) + frames.shape[-3:]).astype(jnp.float32) / 255.0
         x = jnp.transpose(x, (0, 2, 3, 1))  # to channels last, as nn.Conv expects
-        init = nn.initializers.orthogonal(jnp.sqrt(2.0))
+        init = nn.initializers.orthogonal(np.sqrt(2.0))
         for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
             x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride), padding="VALID",
                                 kernel_init=init)(x))
@@ -87,25 +89,148 @@ class NatureCNN(nn.Module):
         return x.reshape(batch_shape + (512,))
 
 
-class CNNPolicyValue(nn.Module):
-    """NatureCNN torso shared by a policy head and a value head (pixels are expensive to
-    encode twice). Maps frames [..., C, H, W] to (logits [..., num_actions], value [...])."""
+# Cores: (state, x [B, T, D], first [B, T]) -> (state, y [B, T, D']).
 
-    num_actions: int
+
+class NoCore(nn.Module):
+    """The feed-forward core: the empty state `()`, features passed through."""
+
+    def initial_state(self, batch_size: int) -> tuple:
+        del batch_size
+        return ()
+
+    def __call__(self, state: tuple, x: jax.Array, first: jax.Array) -> tuple[tuple, jax.Array]:
+        return state, x
+
+
+class LSTMCore(nn.Module):
+    """An LSTM whose state is zeroed before every step whose `first` is set (`ResetLSTM`)."""
+
+    size: int
+
+    def initial_state(self, batch_size: int) -> LSTMState:
+        return initial_lstm_state(batch_size, self.size)
 
     @nn.compact
-    def __call__(self, frames: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = NatureCNN()(frames)
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
-        return logits, value[..., 0]
+    def __call__(self, state: LSTMState, x: jax.Array,
+                 first: jax.Array) -> tuple[LSTMState, jax.Array]:
+        return ResetLSTM(self.size, name="lstm")(state, x, first)
 
 
-def policy_value_network(
-    num_actions: int, obs_shape: Sequence[int], hidden_sizes: Sequence[int]
-) -> nn.Module:
-    """The feed-forward policy/value network for an observation shape: NatureCNN for
-    stacked frames [C, H, W], separate tanh MLPs for anything else (flattened)."""
+def core_for(lstm_size: int) -> nn.Module:
+    """`LSTMCore(lstm_size)`, or `NoCore()` for lstm_size 0."""
+    return LSTMCore(lstm_size) if lstm_size else NoCore()
+
+
+# Heads: features [B, T, D] -> outputs.
+
+
+class PolicyValue(NamedTuple):
+    logits: jax.Array  # [B, T, A]
+    value: jax.Array  # [B, T]
+
+
+class PolicyValueHead(nn.Module):
+    """Categorical policy logits and a state value, each behind its own tanh MLP.
+
+    With `hidden_sizes` () both are linear in the features (a shared torso and core);
+    with hidden layers, the policy and the value get separate MLPs, as CleanRL's actor
+    and critic: on CartPole-v1 the value loss, much larger than the policy's, otherwise
+    reshapes the policy's features. Init: near-uniform logits (orthogonal gain 0.01),
+    unit-scale values.
+    """
+
+    num_actions: int
+    hidden_sizes: Sequence[int] = ()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> PolicyValue:
+        policy = MLP(tuple(self.hidden_sizes), name="policy_torso")(x) if self.hidden_sizes \
+            else x
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01),
+                          name="policy")(policy)
+        value = MLP(tuple(self.hidden_sizes), name="value_torso")(x) if self.hidden_sizes else x
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value")(value)
+        return PolicyValue(logits, value[..., 0])
+
+
+class DuelingQHead(nn.Module):
+    """Q-values [..., A] = V + A - mean(A), each stream a ReLU MLP (Wang et al., 2016)."""
+
+    num_actions: int
+    hidden_sizes: Sequence[int] = ()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        sizes = tuple(self.hidden_sizes)
+        value = MLP(sizes + (1,), "relu", activate_final=False, name="value")(x)
+        advantage = MLP(sizes + (self.num_actions,), "relu", activate_final=False,
+                        name="advantage")(x)
+        return value + advantage - jnp.mean(advantage, axis=-1, keepdims=True)
+
+
+# The composition.
+
+
+class Unroll(nn.Module):
+    """torso -> core -> head over [B, T]; `initial_state(batch)` is the core's.
+
+    `apply(params, state, obs [B, T, ...], first [B, T] bool)` -> (state after step T - 1,
+    head outputs with leaves [B, T, ...]).
+    """
+
+    torso: nn.Module
+    core: nn.Module
+    head: nn.Module
+
+    def initial_state(self, batch_size: int) -> CoreState:
+        return self.core.initial_state(batch_size)
+
+    @nn.compact
+    def __call__(self, state: CoreState, obs: jax.Array, first: jax.Array) -> tuple[CoreState, Any]:
+        chex.assert_rank(first, 2)
+        chex.assert_equal_shape_prefix((obs, first), 2)
+        state, x = self.core(state, self.torso(obs), first)
+        return state, self.head(x)
+
+
+def init(network: Unroll, key: jax.Array, observation_space) -> Params:
+    """Parameters of `network` for observations of `observation_space` (one env)."""
+    obs = jnp.zeros((1, 1) + tuple(observation_space.shape), observation_space.dtype)
+    return network.init(key, network.initial_state(1), obs, jnp.ones((1, 1), bool))
+
+
+def act(network: Unroll, params: Params, state: CoreState, obs: jax.Array,
+        first: jax.Array) -> tuple[CoreState, Any]:
+    """One acting step, the T = 1 unroll: obs [E, ...], first [E] -> (state, outputs [E, ...])."""
+    chex.assert_rank(first, 1)
+    state, outputs = network.apply(params, state, obs[:, None], first[:, None])
+    return state, jax.tree.map(lambda x: x[:, 0], outputs)
+
+
+def torso_for(obs_shape: Sequence[int], hidden_sizes: Sequence[int],
+              activation: str = "tanh") -> nn.Module:
+    """The torso for an observation shape: the Nature CNN for stacked frames [C, H, W],
+    else an MLP of `hidden_sizes` over the flattened observation."""
     if len(obs_shape) == 3:
-        return CNNPolicyValue(num_actions)
-    return SeparatePolicyValueMLP(num_actions, tuple(hidden_sizes), obs_rank=len(obs_shape))
+        return NatureCNN()
+    return MLP(tuple(hidden_sizes), activation, obs_rank=len(obs_shape))
+
+
+def actor_critic(num_actions: int, obs_shape: Sequence[int], hidden_sizes: Sequence[int],
+                 lstm_size: int = 0) -> Unroll:
+    """The policy/value network agents share, for an observation shape.
+
+    - frames [C, H, W]: Nature CNN torso shared by linear policy and value heads (pixels
+      are expensive to encode twice), then the core;
+    - vectors, no LSTM: separate tanh MLPs of `hidden_sizes` for policy and value;
+    - vectors with an LSTM (`lstm_size` > 0): a tanh MLP torso of `hidden_sizes`, the LSTM,
+      linear heads.
+    """
+    if len(obs_shape) == 3:
+        return Unroll(NatureCNN(), core_for(lstm_size), PolicyValueHead(num_actions))
+    if lstm_size:
+        return Unroll(torso_for(obs_shape, hidden_sizes), LSTMCore(lstm_size),
+                      PolicyValueHead(num_actions))
+    return Unroll(MLP((), obs_rank=len(obs_shape)), NoCore(),
+                  PolicyValueHead(num_actions, tuple(hidden_sizes)))

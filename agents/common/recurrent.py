@@ -8,14 +8,11 @@ apart between the two.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
-from agents.common.networks import TanhMLP, flatten_trailing
 
 
 class LSTMState(NamedTuple):
@@ -71,27 +68,3 @@ class ResetLSTM(nn.Module):
             out_axes=1,
         )
         return scan(self.hidden_size, name="step")(state, (x, first))
-
-
-class LSTMPolicyValue(nn.Module):
-    """tanh MLP torso, resetting LSTM, then policy logits and value heads.
-
-    Maps (state [B, lstm_size] leaves, obs [B, T, *obs_shape] with len(obs_shape) ==
-    obs_rank, first [B, T]) to (state after the last step, logits [B, T, num_actions],
-    value [B, T]). Acting passes T = 1.
-    """
-
-    num_actions: int
-    hidden_sizes: Sequence[int] = (64,)
-    lstm_size: int = 64
-    obs_rank: int = 1
-
-    @nn.compact
-    def __call__(
-        self, state: LSTMState, obs: jax.Array, first: jax.Array
-    ) -> tuple[LSTMState, jax.Array, jax.Array]:
-        x = TanhMLP(self.hidden_sizes)(flatten_trailing(obs, self.obs_rank).astype(jnp.float32))
-        state, x = ResetLSTM(self.lstm_size)(state, x, first)
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
-        return state, logits, value[..., 0]
