@@ -61,7 +61,7 @@ def learner_only(args: argparse.Namespace) -> float:
 
     import sebulba
     from agents.r2d2 import R2D2
-    from sebulba.learner import LearnerFunctions
+    from sebulba.learner import optimizer_step, per_learner_device
 
     agent = R2D2(sebulba.env_spec(args.env), agent_config(args, 1))
     device = jax.devices()[:1]
@@ -75,14 +75,15 @@ def learner_only(args: argparse.Namespace) -> float:
     replay = replay._replace(size=jnp.int32(capacity), priorities=jnp.ones(capacity))
     experience = state.experience._replace(replay=replay)
     args_ = jax.tree.map(lambda x: x[None], (state.nets, state.opt, experience))
-    learner = LearnerFunctions(agent, device)
+    optimize = per_learner_device(lambda n, o, e: optimizer_step(agent, n, o, e), device,
+                                  donate_argnums=(0, 1, 2))
     nets, opt, exp = jax.device_put(args_, device[0])
     for _ in range(3):  # compiles
-        nets, opt, exp, metrics = learner.optimize(nets, opt, exp)
+        nets, opt, exp, metrics = optimize(nets, opt, exp)
     jax.block_until_ready(metrics)
     t0 = time.perf_counter()
     for _ in range(args.learner_only_updates):
-        nets, opt, exp, metrics = learner.optimize(nets, opt, exp)
+        nets, opt, exp, metrics = optimize(nets, opt, exp)
     jax.block_until_ready(metrics)
     return args.learner_only_updates / (time.perf_counter() - t0)
 
@@ -118,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
             "record": "sebulba", "updates_per_trajectory": updates,
             "env_steps": result.env_steps, "wall_seconds": round(result.wall_seconds, 2),
             "env_steps_per_second": round(result.steps_per_second, 1),
-            "learner_steps": result.learner_updates, "applied_updates": applied,
-            "learner_updates_per_second": round(result.learner_updates / result.wall_seconds, 1),
+            "learner_updates": result.learner_updates,
+            "optimizer_steps": result.optimizer_steps, "applied_updates": applied,
+            "optimizer_steps_per_second": round(result.optimizer_steps / result.wall_seconds, 1),
             "sequences_inserted": inserted, "sequences_sampled": sampled,
             "replay_ratio": round(sampled / max(inserted, 1), 3),
             "mean_return_last_10pct": round(result.mean_return(0.9, 1.0), 1),

@@ -86,10 +86,6 @@ def measure_training(loop, env_steps: int) -> dict[str, Any]:
     result = loop.run(env_steps)
     wall = result.wall_seconds
     lags = result.policy_lags
-    trajectories = result.consumed / (cfg.envs_per_group * cfg.steps_per_cycle)
-    # Lag counts learner versions (optimizer steps); PPO takes epochs x minibatches of
-    # them per trajectory, so also give it in trajectories to compare the agents.
-    updates_per_trajectory = result.learner_updates / trajectories if trajectories else 1.0
     return {
         "env_steps": result.env_steps, "consumed": result.consumed,
         "wall_seconds": round(wall, 2),
@@ -98,10 +94,10 @@ def measure_training(loop, env_steps: int) -> dict[str, Any]:
         "consumed_steps_per_second": round(result.consumed_steps_per_second, 1),
         "learner_updates": result.learner_updates,
         "learner_updates_per_second": round(result.learner_updates / wall, 2),
+        "optimizer_steps": result.optimizer_steps,
+        # In learner updates (trajectories learnt from).
         "policy_lag_mean": round(sum(lags) / len(lags), 2) if lags else None,
         "policy_lag_max": max(lags) if lags else None,
-        "policy_lag_trajectories": (round(sum(lags) / len(lags) / updates_per_trajectory, 2)
-                                    if lags and updates_per_trajectory else None),
         # Summed over threads: with 2 groups, env_step + inference can exceed the wall.
         "stage_seconds": {k: round(v, 2) for k, v in sorted(result.stage_seconds.items())},
         "stage_fraction_of_wall": {k: round(v / wall, 2)
