@@ -7,6 +7,7 @@ truncated) is followed by a reset step whose action the env ignored.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +20,7 @@ def action_mask(terminated: jax.Array, truncated: jax.Array) -> jax.Array:
     Returns:
       [T] float32, 0 where step t was the last of an episode (its action was ignored).
     """
+    chex.assert_equal_shape((terminated, truncated))
     return 1.0 - (terminated[:-1] | truncated[:-1]).astype(jnp.float32)
 
 
@@ -42,6 +44,7 @@ def bootstrapped_returns(
     Returns:
       [T] returns for t = 0..T-1 (meaningless where `action_mask` is 0).
     """
+    chex.assert_equal_shape((reward, value, terminated, truncated))
     value = jax.lax.stop_gradient(value)
     end_value = jnp.where(terminated, 0.0, value)  # what a last step is worth
 
@@ -84,6 +87,7 @@ def gae_advantages(
       [T] advantages for t = 0..T-1, 0 where `action_mask` is 0. Trailing batch axes
       (leaves [T + 1, B]) are carried through.
     """
+    chex.assert_equal_shape((reward, value, terminated, truncated))
     value = jax.lax.stop_gradient(value)
     next_value = jnp.where(terminated[1:], 0.0, value[1:])
     delta = reward[1:] + discount * next_value - value[:-1]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -71,6 +72,9 @@ def vtrace(
       VTraceOutput with leaves [T]. Where the action was ignored (`action_mask` is 0),
       vs_t = V(x_t) and pg_advantage_t = 0; mask the losses there.
     """
+    chex.assert_rank(log_rho, 1)
+    chex.assert_equal_shape((reward, value, terminated, truncated))
+    chex.assert_axis_dimension(value, 0, log_rho.shape[0] + 1)
     pg_rho_bar = rho_bar if pg_rho_bar is None else pg_rho_bar
     value = jax.lax.stop_gradient(value)
     log_rho = jax.lax.stop_gradient(log_rho)
