@@ -304,7 +304,8 @@ class R2D2(sebulba.Agent):
             received=jnp.zeros((slots,), jnp.int32),
         )
         return R2D2Experience(
-            replay=rp.new_replay(item, cfg.replay_capacity),
+            replay=rp.new_replay(item, cfg.replay_capacity,
+                                 priority_exponent=cfg.priority_exponent),
             pending=pending,
             envs_per_group=jnp.asarray(layout.envs_per_group, jnp.int32),
             key=key,
@@ -443,7 +444,7 @@ class R2D2(sebulba.Agent):
         key, sample_key = jax.random.split(experience.key)
         replay = experience.replay
         batch = rp.sample(replay, _per_learner_device(sample_key), cfg.batch_size,
-                          cfg.priority_exponent, cfg.importance_exponent)
+                          cfg.importance_exponent)
         losses, priorities, metrics = self.sequence_losses(nets, batch.items)
         loss = jnp.mean(batch.weights * losses)
         replay = rp.update_priorities(replay, batch.indices, priorities)

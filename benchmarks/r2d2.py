@@ -61,6 +61,7 @@ def learner_only(args: argparse.Namespace) -> float:
 
     import sebulba
     from agents.r2d2 import R2D2
+    from sebulba.experience import replay as rp
     from sebulba.learner import optimizer_step, per_learner_device
 
     agent = R2D2(sebulba.env_spec(args.env), agent_config(args, 1))
@@ -72,7 +73,8 @@ def learner_only(args: argparse.Namespace) -> float:
     replay = state.experience.replay
     capacity = replay.capacity
     # Zero sequences cost what real ones do; a full replay at uniform priority.
-    replay = replay._replace(size=jnp.int32(capacity), priorities=jnp.ones(capacity))
+    replay = rp.update_priorities(replay._replace(size=jnp.int32(capacity)),
+                                  jnp.arange(capacity), jnp.ones(capacity))
     experience = state.experience._replace(replay=replay)
     args_ = jax.tree.map(lambda x: x[None], (state.nets, state.opt, experience))
     optimize = per_learner_device(lambda n, o, e: optimizer_step(agent, n, o, e), device,

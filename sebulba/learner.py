@@ -82,7 +82,9 @@ def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experien
     out_shapes = jax.eval_shape(learn, nets, opt, experience)
 
     def skip(nets, opt, experience):
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[3])
+        # Per-device values, as the metrics of `learn` are (shard_map types must match).
+        zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype),
+                                                     LEARNER_AXIS, to="varying"), out_shapes[3])
         return nets, opt, experience, zeros
 
     nets, opt, experience, metrics = jax.lax.cond(ready, learn, skip, nets, opt, experience)

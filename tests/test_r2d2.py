@@ -262,8 +262,7 @@ def test_importance_weights_scale_the_loss():
     experience = experience_with(agent, nets, seqs, np.linspace(0.05, 5.0, 16))
     loss, _ = jax.jit(agent.loss)(nets, None, experience)
     _, sample_key = jax.random.split(experience.key)
-    batch = rp.sample(experience.replay, sample_key, cfg.batch_size, cfg.priority_exponent,
-                      cfg.importance_exponent)
+    batch = rp.sample(experience.replay, sample_key, cfg.batch_size, cfg.importance_exponent)
     losses, _, _ = jax.jit(agent.sequence_losses)(nets, batch.items)
     assert np.min(batch.weights) < 0.5  # the weights differ
     np.testing.assert_allclose(loss, jnp.mean(batch.weights * losses), rtol=1e-5)
@@ -291,8 +290,7 @@ def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     experience = experience_with(agent, nets, seqs, np.full(16, 0.5))
     _, sample_key = jax.random.split(experience.key)
     sample_key = jax.random.fold_in(sample_key, 0)  # learner device 0's draw
-    batch = rp.sample(experience.replay, sample_key, cfg.batch_size, cfg.priority_exponent,
-                      cfg.importance_exponent)
+    batch = rp.sample(experience.replay, sample_key, cfg.batch_size, cfg.importance_exponent)
     _, expected, _ = jax.jit(agent.sequence_losses)(nets, batch.items)
 
     new_nets, new_opt, new_exp, metrics = one_learner_step(agent, nets, opt, experience)

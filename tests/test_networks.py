@@ -1,0 +1,89 @@
+"""The network protocol: torso, core and head unrolled over [B, T]; acting is its T = 1 case.
+
+Every agent builds its networks through `agents.common.networks` and acts and trains
+through the same `apply`; these tests hold each agent to that on vector observations
+and on stacked frames.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sebulba
+from agents.common import networks
+from agents.registry import AGENTS
+from sebulba.envs import example_env_step
+
+VECTOR = sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (6,), np.float32), gym.spaces.Discrete(3))
+FRAMES = sebulba.EnvSpec(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Discrete(3))
+B, T = 3, 5
+
+
+def unrolled_and_stepped(network, params, obs, first, state):
+    """(outputs of one [B, T] unroll, outputs of T acting steps stacked on axis 1)."""
+    _, unrolled = network.apply(params, state, obs, first)
+    outs = []
+    for t in range(T):
+        state, out = networks.act(network, params, state, obs[:, t], first[:, t])
+        outs.append(out)
+    return unrolled, jax.tree.map(lambda *xs: jnp.stack(xs, 1), *outs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lstm_size", [0, 8])
+def test_acting_is_the_one_step_case_of_the_unroll(lstm_size):
+    network = networks.actor_critic(3, (6,), (16,), lstm_size)
+    params = networks.init(network, jax.random.key(0), VECTOR.observation_space)
+    state = network.initial_state(B)
+    assert (state == ()) == (lstm_size == 0)  # feed-forward: the empty state
+    obs = jax.random.normal(jax.random.key(1), (B, T, 6))
+    first = jnp.zeros((B, T), bool).at[:, 0].set(True).at[1, 3].set(True)
+    unrolled, stepped = unrolled_and_stepped(network, params, obs, first, state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 unrolled, stepped)
+    assert unrolled.logits.shape == (B, T, 3) and unrolled.value.shape == (B, T)
+
+
+@pytest.mark.timeout(60)
+def test_shapes_are_checked_at_the_boundary():
+    network = networks.actor_critic(3, (6,), (16,))
+    params = networks.init(network, jax.random.key(0), VECTOR.observation_space)
+    with pytest.raises(AssertionError):  # obs without the time axis
+        network.apply(params, (), jnp.zeros((B, 6)), jnp.zeros((B, T), bool))
+
+
+def _zero_sized(params) -> list[str]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [jax.tree_util.keystr(path) for path, x in flat if 0 in np.shape(x)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(AGENTS))
+@pytest.mark.parametrize("spec", [VECTOR, FRAMES], ids=["vector", "frames"])
+def test_every_agent_acts_on_its_observations_through_the_protocol(name, spec):
+    entry = AGENTS[name]
+    config = entry.config_class()
+    agent = entry.build(spec, config)
+    nets = agent.new_networks(jax.random.key(0))
+    assert _zero_sized(nets) == []
+    acting = agent.acting_nets(nets, jnp.int32(0))
+    state = agent.new_step_state(nets, jax.random.key(1), 2)
+    env_step = example_env_step(spec, 2)
+    rng = np.random.default_rng(0)
+    if spec is FRAMES:
+        obs = rng.integers(0, 256, (2,) + spec.obs_shape).astype(np.uint8)
+    else:
+        obs = rng.normal(size=(2,) + spec.obs_shape).astype(np.float32)
+    env_step = env_step._replace(obs=obs, first=np.ones(2, bool))
+    network = agent.network
+    core = network.initial_state(2)
+    _, out = networks.act(network, acting, core, jnp.asarray(env_step.obs), env_step.first)
+    head = out.logits if hasattr(out, "logits") else out  # policy logits or Q-values
+    # Two different observations give different outputs (no constant network).
+    assert not np.allclose(head[0], head[1], atol=1e-6)
+    output, _ = jax.jit(agent.step)(state, acting, env_step)
+    assert output.action.shape == (2,)
