@@ -67,6 +67,48 @@ def test_inferencers_act_with_published_networks(no_leftovers):
     assert lags.min() >= 0 and lags.max() <= 2 * 2 + 2
 
 
+class PublishesItsProgress(CountingAgent):
+    """Publishes the learner's update count with the networks; acts by recording it."""
+
+    def acting_nets(self, nets, learner_updates):
+        return {"w": nets["w"], "updates": learner_updates}
+
+    def step(self, step_state, nets, env_step):
+        output, state = super().step(step_state, {"w": nets["w"]}, env_step)
+        seen = jnp.broadcast_to(nets["updates"].astype(jnp.float32), state.last_id.shape)
+        return output, state._replace(last_id=seen)
+
+
+@pytest.mark.timeout(120)
+def test_actors_see_what_acting_nets_publishes_with_the_learner_updates(no_leftovers):
+    published = []
+
+    def on_update(info):
+        published.append((info.version, int(info.nets["updates"]), set(info.nets)))
+
+    result = counting_loop(PublishesItsProgress, async_factor=2).run(30 * 4 * 3,
+                                                                     on_update=on_update)
+    assert [(v, u) for v, u, _ in published] == [(v, v) for v in range(1, 31)]
+    assert all(keys == {"w", "updates"} for _, _, keys in published)
+    # Each env group acted last with networks published at most a few updates ago.
+    seen = np.asarray(result.state.step_state.last_id)
+    assert seen.min() >= 30 - 2 * 2 - 2 and seen.max() <= 30
+
+
+class NeverReady(CountingAgent):
+    def ready_to_learn(self, experience):
+        return experience.size > 10**6
+
+
+@pytest.mark.timeout(120)
+def test_updates_are_skipped_until_the_agent_is_ready(no_leftovers):
+    result = counting_loop(NeverReady).run(10 * 4 * 3)
+    assert result.learner_updates == 10 and result.optimizer_steps == 10
+    assert float(result.state.nets["w"]) == 1.0  # no optimizer step ran
+    assert result.metrics["learning"] == 0.0 and result.metrics["loss"] == 0.0
+    assert int(result.state.experience.size) == 10  # the trajectories still arrived
+
+
 @pytest.mark.timeout(120)
 def test_run_reports_accounting_and_stage_times(no_leftovers):
     result = counting_loop(async_factor=2).run(20 * 4 * 3)

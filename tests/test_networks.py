@@ -71,6 +71,8 @@ def test_every_agent_acts_on_its_observations_through_the_protocol(name, spec):
     nets = agent.new_networks(jax.random.key(0))
     assert _zero_sized(nets) == []
     acting = agent.acting_nets(nets, jnp.int32(0))
+    if name == "r2d2":  # the target network stays on the learner
+        assert jax.tree.structure(acting) == jax.tree.structure(nets.online)
     state = agent.new_step_state(nets, jax.random.key(1), 2)
     env_step = example_env_step(spec, 2)
     rng = np.random.default_rng(0)
