@@ -1,13 +1,17 @@
 """Train an agent in the Sebulba loop.
 
+    sebulba-train                                 # the same as python -m examples.train
     python -m examples.train                      # SPG on CartPole-v1, a few minutes on CPU
-    python -m examples.train --num_envs=32 --async_factor=1 --total_env_steps=500000
+    python -m examples.train --envs_per_group=32 --async_factor=1 --total_env_steps=500000
     python -m examples.train --logdir=runs/cp --checkpoint_every_steps=50000
     python -m examples.train --logdir=runs/cp --resume --total_env_steps=1000000
     python -m examples.train --helpfull           # every flag, agent flags grouped per agent
 
-Devices are chosen by index into this process's local devices. Across machines, run the
-same command on every host with its own --process_id:
+The run flags are generated from `sebulba.Config`, one per field and named as it
+(`--envs_per_group`, `--steps_per_cycle`, ...), with its defaults and docs; the agent flags
+from the agent's config (`--<agent>_<field>`). Devices are chosen by index into this
+process's local devices. Across machines, run the same command on every host with its
+own --process_id:
 
     python -m examples.train --coordinator_address=HOST0:1234 --num_processes=2 --process_id=0
 """
@@ -23,30 +27,14 @@ from absl import app, flags
 
 import sebulba
 from agents.registry import AGENTS
-from examples.config_flags import config_from_flags, define_config_flags
+from examples.config_flags import define_config_flags, define_run_flags
 from sebulba import distributed
 from sebulba.checkpoint import Checkpointer
 from sebulba.metrics import Reporter, default_writers
 
-_AGENT = flags.DEFINE_enum("agent", "spg", sorted(AGENTS), "Which agent to train.")
-_ENV = flags.DEFINE_string("env", "CartPole-v1", "A gymnasium.make_vec id (ALE/... for Atari).")
-_NUM_ENVS = flags.DEFINE_integer("num_envs", 16, "Envs per env group (one inferencer thread).")
-_VECTORIZATION = flags.DEFINE_enum(
-    "vectorization", "sync", ["sync", "async", "vector_entry_point"],
-    "sync: envs step in the inferencer thread; async: one subprocess per env.")
-_ASYNC_FACTOR = flags.DEFINE_integer(
-    "async_factor", 2, "Env groups per inference device (2 = double buffering).")
-_DESYNC = flags.DEFINE_bool(
-    "desync_episodes", False,
-    "Cut each env's first episode at a random length, so envs are not all at the same phase.")
-_STEPS_PER_CYCLE = flags.DEFINE_integer("steps_per_cycle", 64, "Env steps per inference cycle.")
-_INFERENCE_DEVICES = flags.DEFINE_list(
-    "inference_devices", ["0"], "Local device indices that run inference.")
-_LEARNER_DEVICES = flags.DEFINE_list(
-    "learner_devices", ["0"], "Local device indices the learner spans.")
+_AGENT = flags.DEFINE_enum("agent", "ppo", sorted(AGENTS), "Which agent to train.")
 _TOTAL_ENV_STEPS = flags.DEFINE_integer(
     "total_env_steps", 400_000, "Env steps (all envs, all processes) to learn from.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seeds networks, agent state and envs.")
 _LOGDIR = flags.DEFINE_string(
     "logdir", None, "Where metrics (TensorBoard events, metrics.jsonl) and checkpoints go.")
 _LOG_EVERY = flags.DEFINE_float("log_every_seconds", 5.0, "Seconds between metric writes.")
@@ -63,17 +51,14 @@ _COORDINATOR = flags.DEFINE_string(
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1.")
 
+# One flag per field of sebulba.Config, named as the field (--envs_per_group, ...), with
+# Config's defaults and docs.
+_RUN_FLAGS = define_run_flags()
+# One flag per field of each agent's config: --<agent>_<field>, grouped per agent.
 _AGENT_FLAGS = {
     name: define_config_flags(name, entry.config_class, module_name=f"agents.{name}")
     for name, entry in AGENTS.items()
 }
-
-
-def _indices(name: str, values: list[str]) -> list[int]:
-    try:
-        return [int(v) for v in values]
-    except ValueError:
-        raise app.UsageError(f"--{name} must be device indices, got {values}") from None
 
 
 def build(agent_name: str, agent_config, config: sebulba.Config) -> sebulba.Sebulba:
@@ -95,25 +80,15 @@ def main(argv: list[str]) -> None:
     if _RESUME.value and not _LOGDIR.value:
         raise app.UsageError("--resume needs --logdir")
     try:  # every bad value is reported here, before envs, threads or devices start
-        agent_config = config_from_flags(
-            AGENTS[_AGENT.value].config_class, _AGENT_FLAGS[_AGENT.value])
+        agent_config = _AGENT_FLAGS[_AGENT.value].config()
+        run_values = _RUN_FLAGS.values()
         for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
             if holder.value < 1:
                 raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
         # Join the cluster before anything touches JAX devices (Config resolves them).
         if _COORDINATOR.value is not None:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-        config = sebulba.Config(
-            env=_ENV.value,
-            desync_episodes=_DESYNC.value,
-            envs_per_group=_NUM_ENVS.value,
-            vectorization=_VECTORIZATION.value,
-            async_factor=_ASYNC_FACTOR.value,
-            steps_per_cycle=_STEPS_PER_CYCLE.value,
-            inference_devices=_indices("inference_devices", _INFERENCE_DEVICES.value),
-            learner_devices=_indices("learner_devices", _LEARNER_DEVICES.value),
-            seed=_SEED.value,
-        )
+        config = sebulba.Config(**run_values)
     except (ValueError, TypeError) as e:
         raise app.UsageError(str(e)) from None
     primary = jax.process_index() == 0

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--num_envs=8", "--steps_per_cycle=8", "--progress=false", "--log_every_seconds=0"]
+SMALL = ["--envs_per_group=8", "--steps_per_cycle=8", "--progress=false", "--log_every_seconds=0"]
 
 
 def run(module: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -68,9 +70,10 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
 
 
 @pytest.mark.parametrize("flag,message", [
-    ("--num_envs=0", "envs_per_group must be an int >= 1, got 0"),
+    ("--envs_per_group=0", "envs_per_group must be an int >= 1, got 0"),
+    ("--env_kwargs={bad", "--env_kwargs must be a JSON object, got '{bad'"),
     ("--learner_devices=3", "learner_devices has device index 3, but this process has 1"),
-    ("--spg_hidden_sizes=64,x", "--spg_hidden_sizes must be comma-separated ints"),
+    ("--ppo_hidden_sizes=64,x", "--ppo_hidden_sizes must be comma-separated ints"),
     ("--total_env_steps=0", "--total_env_steps must be >= 1, got 0"),
     ("--agent=nope", "value should be one of"),
 ])
@@ -87,10 +90,59 @@ def test_helpfull_documents_agent_flags_and_flagfile_works(tmp_path):
     help_text = run("examples.train", "--helpfull").stdout
     assert "agents.spg:" in help_text
     assert "--spg_learning_rate: SPG: " in help_text
+    assert "--envs_per_group: envs in each env group" in help_text  # Config's docstring
+    assert "--num_envs" not in help_text
     flagfile = tmp_path / "flags.txt"
-    flagfile.write_text("--num_envs=0\n")
+    flagfile.write_text("--envs_per_group=0\n")
     result = run("examples.train", f"--flagfile={flagfile}")
     assert result.returncode != 0 and "got 0" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_console_script_runs_the_checkouts_launcher_from_anywhere(tmp_path):
+    # `sebulba-train` (pyproject's [project.scripts]) finds the checkout beside the editable
+    # sebulba package, so it works from another directory, where `examples` and `agents`
+    # are not importable (they are not installed).
+    script = (shutil.which("sebulba-train", path=sysconfig.get_path("scripts"))
+              or shutil.which("sebulba-train"))
+    assert script, "no sebulba-train: install the checkout with `pip install -e .`"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+
+    def sebulba_train(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([script, *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=100)
+
+    not_installed = subprocess.run([sys.executable, "-c", "import examples.train"],
+                                   cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert "No module named 'examples'" in not_installed.stderr
+    help_text = sebulba_train("--helpshort")  # absl exits with 1 after the help
+    assert "Train an agent in the Sebulba loop" in help_text.stdout, help_text.stderr[-3000:]
+    for flag in ("--agent", "--envs_per_group", "--steps_per_cycle", "--env_kwargs",
+                 "--total_env_steps"):
+        assert f"{flag}:" in help_text.stdout
+    assert "--spg_learning_rate" not in help_text.stdout  # agent flags: --helpfull
+    result = sebulba_train("--total_env_steps=64", '--env_kwargs={"max_episode_steps": 20}',
+                           "--envs_per_group=4", "--steps_per_cycle=4", "--async_factor=1",
+                           "--progress=false", "--logdir=run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert last_json(result.stdout)["consumed"] >= 64
+    assert os.listdir(tmp_path / "run" / "checkpoints")  # relative to the caller's directory
+    bad = sebulba_train("--envs_per_group=0")
+    assert bad.returncode != 0 and "envs_per_group must be an int >= 1, got 0" in bad.stderr
+
+
+def test_console_script_without_a_checkout_says_how_to_get_one(tmp_path, monkeypatch):
+    from sebulba import cli
+
+    assert cli.checkout_root() == os.path.realpath(ROOT)
+    package = tmp_path / "site-packages" / "sebulba"
+    package.mkdir(parents=True)
+    assert cli.checkout_root(str(package)) is None
+    monkeypatch.setattr(cli, "_PACKAGE_DIR", str(package))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert "pip install -e ." in str(exit_info.value.code)
+    assert "python -m examples.train" in str(exit_info.value.code)
 
 
 @pytest.mark.timeout(120)
@@ -98,8 +150,9 @@ def test_helpfull_documents_agent_flags_and_flagfile_works(tmp_path):
 def test_atari_ids_train_through_ale_py(vectorization):
     # sync: raw RGB frames through an MLP; vector_entry_point: ale-py's AtariVectorEnv,
     # 84 x 84 grayscale stacks of 4 through the Nature CNN.
-    result = run("examples.train", "--env=ALE/Pong-v5", f"--vectorization={vectorization}",
-                 "--num_envs=2", "--steps_per_cycle=4",
+    result = run("examples.train", "--agent=spg", "--env=ALE/Pong-v5",
+                 f"--vectorization={vectorization}",
+                 "--envs_per_group=2", "--steps_per_cycle=4",
                  "--async_factor=1", "--total_env_steps=24", "--spg_hidden_sizes=16",
                  "--progress=false")
     assert result.returncode == 0, result.stderr[-3000:]
