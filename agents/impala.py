@@ -113,7 +113,7 @@ class IMPALA(sebulba.Agent):
         super().__init__(env_spec)
         self.config = config
         self.network = networks.actor_critic(
-            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes,
+            env_spec.num_actions, env_spec.observation_space, config.hidden_sizes,
             config.lstm_size if config.use_lstm else 0)
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)

@@ -138,7 +138,7 @@ class PPO(sebulba.Agent):
         super().__init__(env_spec)
         self.config = config
         self.network = networks.actor_critic(
-            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes,
+            env_spec.num_actions, env_spec.observation_space, config.hidden_sizes,
             config.lstm_size if config.use_lstm else 0)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),

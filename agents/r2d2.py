@@ -55,6 +55,7 @@ import dataclasses
 from collections.abc import Sequence as SequenceType
 from typing import NamedTuple
 
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 import optax
@@ -187,13 +188,13 @@ def _check_int(name: str, value, low: int) -> None:
 # Networks.
 
 
-def q_network(num_actions: int, obs_shape: SequenceType[int], config: R2D2Config
+def q_network(num_actions: int, observation_space: gym.Space, config: R2D2Config
               ) -> networks.Unroll:
-    """Torso (Nature CNN for frames [C, H, W], else a ReLU MLP of `torso_sizes`),
+    """Torso (Nature CNN for frames, else a ReLU MLP of `torso_sizes`),
     resetting LSTM core (or, without use_lstm, one more ReLU layer of `lstm_size` in the
     torso), dueling Q head: (state, obs [B, T, ...], first [B, T]) -> Q [B, T, A]."""
     sizes = tuple(config.torso_sizes) + (() if config.use_lstm else (config.lstm_size,))
-    torso = networks.torso_for(obs_shape, sizes, "relu")
+    torso = networks.torso_for(observation_space, sizes, "relu")
     core = networks.core_for(config.lstm_size if config.use_lstm else 0)
     return networks.Unroll(torso, core, networks.DuelingQHead(num_actions, config.head_sizes))
 
@@ -245,7 +246,7 @@ class R2D2(sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: R2D2Config = R2D2Config()):
         super().__init__(env_spec)
         self.config = config
-        self.network = q_network(env_spec.num_actions, env_spec.obs_shape, config)
+        self.network = q_network(env_spec.num_actions, env_spec.observation_space, config)
         optimizer = optax.adam(config.learning_rate, eps=config.adam_eps)
         if config.max_grad_norm > 0:
             optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optimizer)

@@ -61,7 +61,8 @@ class SPG(sebulba.Agent):
         # with policy and value heads learned slowly and often collapsed to a
         # deterministic policy (returns ~10); separate ReLU MLPs swung between ~400 and ~50.
         self.network = networks.actor_critic(
-            env_spec.num_actions, env_spec.obs_shape, config.hidden_sizes, config.lstm_size)
+            env_spec.num_actions, env_spec.observation_space, config.hidden_sizes,
+            config.lstm_size)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
         )

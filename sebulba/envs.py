@@ -9,6 +9,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from sebulba import observations
 from sebulba.types import EnvSpec, EnvStep
 
 EnvFactory = Callable[[], gym.Env]
@@ -17,11 +18,7 @@ VECTORIZATIONS = ("sync", "async", "vector_entry_point")
 
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
     """Raises ValueError unless the spaces are ones the framework batches."""
-    if not isinstance(observation_space, gym.spaces.Box):
-        raise ValueError(
-            f"unsupported observation space {observation_space!r}: expected a gymnasium.spaces.Box "
-            "(wrap the env, e.g. with FlattenObservation, to turn it into one)"
-        )
+    observations.kind(observation_space)  # names the space and the wrapper to use
     if not isinstance(action_space, gym.spaces.Discrete | gym.spaces.Box):
         raise ValueError(
             f"unsupported action space {action_space!r}: expected gymnasium.spaces.Discrete or Box"
@@ -200,6 +197,7 @@ class HostEnvStepper:
     def __init__(self, vec: gym.vector.VectorEnv):
         self.vec = vec
         self.num_envs = vec.num_envs
+        self._obs_dtype = observations.host_dtype(vec.single_observation_space)
         self._was_last = np.ones(self.num_envs, bool)
         self._returns = np.zeros(self.num_envs, np.float64)
         self._lengths = np.zeros(self.num_envs, np.int64)
@@ -229,16 +227,13 @@ class HostEnvStepper:
         terminated = np.asarray(terminated, bool)
         truncated = np.asarray(truncated, bool)
         self._was_last = terminated | truncated
-        obs = np.asarray(obs)
-        if obs.dtype == np.float64:
-            obs = obs.astype(np.float32)
+        obs = np.asarray(obs, self._obs_dtype)
         return EnvStep(obs, np.asarray(reward, np.float32), terminated, truncated, first)
 
 
 def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
     """A zero EnvStep with the shapes and dtypes `HostEnvStepper` produces."""
-    obs_dtype = spec.observation_space.dtype
-    obs_dtype = np.float32 if obs_dtype == np.float64 else obs_dtype
+    obs_dtype = observations.host_dtype(spec.observation_space)
     flags = np.zeros(num_envs, bool)
     return EnvStep(
         obs=np.zeros((num_envs,) + spec.obs_shape, obs_dtype),

@@ -22,9 +22,10 @@ Metrics = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
-    """The spaces of one (unbatched) env; agents build their networks from it."""
+    """The spaces of one (unbatched) env; agents build their networks from it
+    (`sebulba.observations` says what kind of observation the space holds)."""
 
-    observation_space: gym.spaces.Box
+    observation_space: gym.Space
     action_space: gym.spaces.Discrete | gym.spaces.Box
 
     @property

@@ -72,3 +72,27 @@ class PidRecordingEnv(CountingEnv):
     def step(self, action):
         time.sleep(self.step_seconds)
         return super().step(action)
+
+
+class RandomObservationEnv(gym.Env):
+    """Random observations of any space; reward 1 when the action matches a bit of the
+    observation, so the policy has something to learn; episodes of 8 steps."""
+
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, observation_space: gym.Space):
+        self.observation_space = observation_space
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self.t = 0
+        self._obs = self.observation_space.sample()
+        return self._obs, {}
+
+    def step(self, action):
+        target = int(np.asarray(self._obs).reshape(-1)[0]) % 2
+        self.t += 1
+        self._obs = self.observation_space.sample()
+        return self._obs, float(action == target), self.t >= 8, False, {}

@@ -14,12 +14,22 @@ import numpy as np
 import pytest
 
 import sebulba
+import sebulba.envs
 from agents.common import networks
 from agents.registry import AGENTS
+from sebulba import observations
 from sebulba.envs import example_env_step
 
 VECTOR = sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (6,), np.float32), gym.spaces.Discrete(3))
-FRAMES = sebulba.EnvSpec(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Discrete(3))
+SPECS = {  # the observation kinds an agent must act and train on
+    "vector": VECTOR,
+    "rgb_frames": sebulba.EnvSpec(gym.spaces.Box(0, 255, (60, 80, 3), np.uint8),
+                                  gym.spaces.Discrete(3)),
+    "stacked_frames": sebulba.EnvSpec(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8),
+                                      gym.spaces.Discrete(3)),
+    "discrete": sebulba.EnvSpec(gym.spaces.Discrete(7), gym.spaces.Discrete(3)),
+    "multi_discrete": sebulba.EnvSpec(gym.spaces.MultiDiscrete([3, 5]), gym.spaces.Discrete(3)),
+}
 B, T = 3, 5
 
 
@@ -36,7 +46,7 @@ def unrolled_and_stepped(network, params, obs, first, state):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lstm_size", [0, 8])
 def test_acting_is_the_one_step_case_of_the_unroll(lstm_size):
-    network = networks.actor_critic(3, (6,), (16,), lstm_size)
+    network = networks.actor_critic(3, VECTOR.observation_space, (16,), lstm_size)
     params = networks.init(network, jax.random.key(0), VECTOR.observation_space)
     state = network.initial_state(B)
     assert (state == ()) == (lstm_size == 0)  # feed-forward: the empty state
@@ -50,7 +60,7 @@ def test_acting_is_the_one_step_case_of_the_unroll(lstm_size):
 
 @pytest.mark.timeout(60)
 def test_shapes_are_checked_at_the_boundary():
-    network = networks.actor_critic(3, (6,), (16,))
+    network = networks.actor_critic(3, VECTOR.observation_space, (16,))
     params = networks.init(network, jax.random.key(0), VECTOR.observation_space)
     with pytest.raises(AssertionError):  # obs without the time axis
         network.apply(params, (), jnp.zeros((B, 6)), jnp.zeros((B, T), bool))
@@ -61,31 +71,55 @@ def _zero_sized(params) -> list[str]:
     return [jax.tree_util.keystr(path) for path, x in flat if 0 in np.shape(x)]
 
 
+def two_observations(space: gym.Space) -> np.ndarray:
+    """Two different observations of `space`, as the host holds them: [2, *shape]."""
+    space.seed(0)
+    first = np.asarray(space.sample())
+    second = first
+    while np.array_equal(second, first):
+        second = np.asarray(space.sample())
+    return np.stack([first, second]).astype(observations.host_dtype(space))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(AGENTS))
-@pytest.mark.parametrize("spec", [VECTOR, FRAMES], ids=["vector", "frames"])
-def test_every_agent_acts_on_its_observations_through_the_protocol(name, spec):
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_every_agent_acts_on_its_observations_through_the_protocol(name, kind):
+    spec = SPECS[kind]
     entry = AGENTS[name]
-    config = entry.config_class()
-    agent = entry.build(spec, config)
+    agent = entry.build(spec, entry.config_class())
     nets = agent.new_networks(jax.random.key(0))
     assert _zero_sized(nets) == []
     acting = agent.acting_nets(nets, jnp.int32(0))
     if name == "r2d2":  # the target network stays on the learner
         assert jax.tree.structure(acting) == jax.tree.structure(nets.online)
-    state = agent.new_step_state(nets, jax.random.key(1), 2)
-    env_step = example_env_step(spec, 2)
-    rng = np.random.default_rng(0)
-    if spec is FRAMES:
-        obs = rng.integers(0, 256, (2,) + spec.obs_shape).astype(np.uint8)
-    else:
-        obs = rng.normal(size=(2,) + spec.obs_shape).astype(np.float32)
-    env_step = env_step._replace(obs=obs, first=np.ones(2, bool))
-    network = agent.network
-    core = network.initial_state(2)
-    _, out = networks.act(network, acting, core, jnp.asarray(env_step.obs), env_step.first)
+    obs = two_observations(spec.observation_space)
+    env_step = example_env_step(spec, 2)._replace(obs=obs, first=np.ones(2, bool))
+    _, out = networks.act(agent.network, acting, agent.network.initial_state(2),
+                          jnp.asarray(obs), env_step.first)
     head = out.logits if hasattr(out, "logits") else out  # policy logits or Q-values
     # Two different observations give different outputs (no constant network).
     assert not np.allclose(head[0], head[1], atol=1e-6)
+    state = agent.new_step_state(nets, jax.random.key(1), 2)
     output, _ = jax.jit(agent.step)(state, acting, env_step)
     assert output.action.shape == (2,)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("space,message", [
+    (gym.spaces.Box(0, 255, (3, 5, 3), np.uint8), r"cannot tell the layout of uint8 frames"),
+    (gym.spaces.Dict({"a": gym.spaces.Discrete(2)}), r"FlattenObservation"),
+    (gym.spaces.Tuple((gym.spaces.Discrete(2),)), r"Dict and Tuple observations"),
+])
+def test_unsupported_observation_spaces_are_refused_by_name(space, message):
+    with pytest.raises(ValueError, match=message):
+        sebulba.envs.check_spaces(space, gym.spaces.Discrete(2))
+
+
+@pytest.mark.parametrize("shape,layout", [((210, 160, 3), "HWC"), ((4, 84, 84), "CHW"),
+                                          ((84, 84), "HW"), ((64, 64, 1), "HWC")])
+def test_frame_layouts_are_read_from_the_space(shape, layout):
+    space = gym.spaces.Box(0, 255, shape, np.uint8)
+    assert observations.kind(space) == observations.IMAGE
+    assert observations.image_layout(space) == layout
+    assert observations.kind(gym.spaces.Box(0.0, 1.0, shape, np.float32)) == observations.VECTOR

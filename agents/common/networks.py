@@ -4,7 +4,8 @@
     state = network.initial_state(batch)                      # () for a feed-forward core
     state, outputs = network.apply(params, state, obs, first)   # obs [B, T, ...], first [B, T]
 
-- torso: per-step features, [B, T, *obs_shape] -> [B, T, D] (`MLP`, `NatureCNN`).
+- torso: per-step features, [B, T, *obs_shape] -> [B, T, D] (`MLP`, `NatureCNN`, one-hot),
+  chosen from the observation space by `torso_for` (`sebulba.observations`).
 - core: the only part with memory, (state, x [B, T, D], first [B, T]) -> (state, y [B, T, D'])
   with `initial_state(batch)`. `NoCore` has the empty state `()` and passes x through;
   `LSTMCore` resets its state before every step whose `first` is set.
@@ -23,11 +24,13 @@ from typing import Any, NamedTuple
 
 import chex
 import flax.linen as nn
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
+from sebulba import observations
 
 Params = Any
 CoreState = Any  # a pytree with leaves [B, ...]; () for feed-forward networks
@@ -72,21 +75,42 @@ class MLP(nn.Module):
 class NatureCNN(nn.Module):
     """The DQN Nature torso (Mnih et al., 2015): three convolutions and a 512-unit layer.
 
-    Maps stacked frames [..., C, H, W] (uint8 0-255, channels first as ale-py's
-    AtariVectorEnv emits them: C = 4 frames of 84 x 84) to features [..., 512].
+    Maps uint8 frames [..., *frame_shape] (0-255; `layout` "HWC", "CHW" or "HW", from
+    `sebulba.observations.image_layout`) to features [..., 512]. Frames travel as uint8
+    and become NHWC floats in [0, 1] here, on the device.
     """
+
+    layout: str = "HWC"
 
     @nn.compact
     def __call__(self, frames: jax.Array) -> jax.Array:
-        batch_shape = frames.shape[:-3]
-        x = frames.reshape((-1,) + frames.shape[-3:]).astype(jnp.float32) / 255.0
-        x = jnp.transpose(x, (0, 2, 3, 1))  # to channels last, as nn.Conv expects
+        rank = len(self.layout)
+        batch_shape = frames.shape[:-rank]
+        x = frames.reshape((-1,) + frames.shape[-rank:]).astype(jnp.float32) / 255.0
+        if self.layout == "CHW":
+            x = jnp.transpose(x, (0, 2, 3, 1))
+        elif self.layout == "HW":
+            x = x[..., None]
         init = nn.initializers.orthogonal(np.sqrt(2.0))
         for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
             x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride), padding="VALID",
                                 kernel_init=init)(x))
         x = nn.relu(nn.Dense(512, kernel_init=init)(x.reshape(x.shape[0], -1)))
         return x.reshape(batch_shape + (512,))
+
+
+class OneHot(nn.Module):
+    """Discrete observations [..., k] (k = 1 for Discrete) -> concatenated one-hots
+    [..., sum(num_values)], float32."""
+
+    num_values: Sequence[int]
+    start: Sequence[int]
+
+    def __call__(self, obs: jax.Array) -> jax.Array:
+        obs = obs.reshape(obs.shape[: obs.ndim - (len(self.num_values) > 1)] + (-1,))
+        return jnp.concatenate(
+            [jax.nn.one_hot(obs[..., i] - s, n) for i, (n, s) in
+             enumerate(zip(self.num_values, self.start, strict=True))], axis=-1)
 
 
 # Cores: (state, x [B, T, D], first [B, T]) -> (state, y [B, T, D']).
@@ -194,9 +218,10 @@ class Unroll(nn.Module):
         return state, self.head(x)
 
 
-def init(network: Unroll, key: jax.Array, observation_space) -> Params:
+def init(network: Unroll, key: jax.Array, observation_space: gym.Space) -> Params:
     """Parameters of `network` for observations of `observation_space` (one env)."""
-    obs = jnp.zeros((1, 1) + tuple(observation_space.shape), observation_space.dtype)
+    obs = jnp.zeros((1, 1) + tuple(observation_space.shape),
+                    observations.host_dtype(observation_space))
     return network.init(key, network.initial_state(1), obs, jnp.ones((1, 1), bool))
 
 
@@ -208,29 +233,46 @@ def act(network: Unroll, params: Params, state: CoreState, obs: jax.Array,
     return state, jax.tree.map(lambda x: x[:, 0], outputs)
 
 
-def torso_for(obs_shape: Sequence[int], hidden_sizes: Sequence[int],
+def encoder_for(observation_space: gym.Space) -> nn.Module:
+    """Observations -> float features with no parameters: one-hot for discrete spaces,
+    flattened floats for vector spaces (frames need a learnt torso: `torso_for`)."""
+    kind = observations.kind(observation_space)
+    if kind == observations.DISCRETE:
+        start = np.atleast_1d(np.asarray(observation_space.start)).reshape(-1)
+        return OneHot(tuple(int(n) for n in observations.num_discrete_values(observation_space)),
+                      tuple(int(x) for x in start))
+    return MLP((), obs_rank=len(observation_space.shape))
+
+
+def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
               activation: str = "tanh") -> nn.Module:
-    """The torso for an observation shape: the Nature CNN for stacked frames [C, H, W],
-    else an MLP of `hidden_sizes` over the flattened observation."""
-    if len(obs_shape) == 3:
-        return NatureCNN()
-    return MLP(tuple(hidden_sizes), activation, obs_rank=len(obs_shape))
+    """The torso for an observation space (`sebulba.observations` decides its kind): the
+    Nature CNN for frames, else the encoder followed by an MLP of `hidden_sizes`."""
+    kind = observations.kind(observation_space)
+    if kind == observations.IMAGE:
+        return NatureCNN(observations.image_layout(observation_space))
+    if kind == observations.DISCRETE:
+        return nn.Sequential([encoder_for(observation_space), MLP(tuple(hidden_sizes),
+                                                                  activation)])
+    return MLP(tuple(hidden_sizes), activation, obs_rank=len(observation_space.shape))
 
 
-def actor_critic(num_actions: int, obs_shape: Sequence[int], hidden_sizes: Sequence[int],
-                 lstm_size: int = 0) -> Unroll:
-    """The policy/value network agents share, for an observation shape.
+def actor_critic(num_actions: int, observation_space: gym.Space,
+                 hidden_sizes: Sequence[int], lstm_size: int = 0) -> Unroll:
+    """The policy/value network agents share, for an observation space.
 
-    - frames [C, H, W]: Nature CNN torso shared by linear policy and value heads (pixels
-      are expensive to encode twice), then the core;
-    - vectors, no LSTM: separate tanh MLPs of `hidden_sizes` for policy and value;
-    - vectors with an LSTM (`lstm_size` > 0): a tanh MLP torso of `hidden_sizes`, the LSTM,
-      linear heads.
+    - frames: Nature CNN torso shared by linear policy and value heads (pixels are
+      expensive to encode twice), then the core;
+    - vectors or discrete observations, no LSTM: separate tanh MLPs of `hidden_sizes` for
+      policy and value over the flattened (or one-hot) observation;
+    - with an LSTM (`lstm_size` > 0): a tanh MLP torso of `hidden_sizes`, the LSTM, linear
+      heads.
     """
-    if len(obs_shape) == 3:
-        return Unroll(NatureCNN(), core_for(lstm_size), PolicyValueHead(num_actions))
-    if lstm_size:
-        return Unroll(torso_for(obs_shape, hidden_sizes), LSTMCore(lstm_size),
+    if observations.kind(observation_space) == observations.IMAGE:
+        return Unroll(torso_for(observation_space, ()), core_for(lstm_size),
                       PolicyValueHead(num_actions))
-    return Unroll(MLP((), obs_rank=len(obs_shape)), NoCore(),
+    if lstm_size:
+        return Unroll(torso_for(observation_space, hidden_sizes), LSTMCore(lstm_size),
+                      PolicyValueHead(num_actions))
+    return Unroll(encoder_for(observation_space), NoCore(),
                   PolicyValueHead(num_actions, tuple(hidden_sizes)))
