@@ -1,6 +1,7 @@
 """IMPALA (Espeholt et al., 2018): an actor-critic corrected for policy lag by V-trace.
 
-Each received trajectory shard is learnt from once, as it arrives. In Sebulba the
+Each update's trajectory shard (`trajectories_per_update` trajectories joined along the
+env axis) is learnt from once, as it arrives. In Sebulba the
 networks that acted are usually 1-2 updates older than the learner's (the learner
 publishes after the trajectory was produced), so the learner's policy pi is not the
 behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and V-trace
@@ -102,8 +103,8 @@ class IMPALAConfig:
 
 
 class IMPALAExperience(NamedTuple):
-    trajectory: Trajectory  # the latest shard, leaves [E, T(+1), ...]
-    core: networks.CoreState  # leaves [E, ...], the actor's core state before the first step
+    trajectory: Trajectory  # the latest update's shard, leaves [K x E / L, T(+1), ...]
+    core: networks.CoreState  # leaves [K x E / L, ...], the core state before the first step
 
 
 class IMPALA(sebulba.Agent):
@@ -136,7 +137,7 @@ class IMPALA(sebulba.Agent):
         self, nets: Nets, key: jax.Array, layout: sebulba.Layout
     ) -> IMPALAExperience:
         # Shaped exactly like what update_experience returns (its buffers are donated).
-        num_envs = layout.envs_per_learner_shard
+        num_envs = layout.envs_per_update_shard  # K trajectories x E / L envs
         zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
         return IMPALAExperience(zeros, self.network.initial_state(num_envs))
 

@@ -1,6 +1,7 @@
 """Proximal Policy Optimization (Schulman et al., 2017) with GAE(lambda), on segments.
 
-Each received trajectory shard [E, T] is learnt from for `num_epochs` epochs of
+Each update's trajectory shard [E, T] (E = K x E_group / L rows: `trajectories_per_update`
+trajectories joined along the env axis) is learnt from for `num_epochs` epochs of
 `num_minibatches` minibatches of segments (`sebulba.experience.segments`): every env's stream is
 cut into segments of `bptt_horizon` steps (the whole trajectory by default), optionally
 sampled in proportion to their summed |advantage|^prio_alpha with importance weights on
@@ -48,19 +49,20 @@ class PPOConfig:
       max_grad_norm: gradients are clipped to this global norm before Adam.
       discount: per-step discount of the returns.
       gae_lambda: lambda of the GAE advantages (0: one-step TD errors, 1: Monte Carlo).
-      num_epochs: passes over each received trajectory shard.
+      num_epochs: passes over each update's trajectory shard.
       num_minibatches: minibatches per epoch; they split the segments of a learner's shard.
       bptt_horizon: steps per segment; must divide steps_per_cycle; 0: the whole
         trajectory (one segment per env and trajectory).
       num_segments: segments per update over all learner devices the run must produce
-        (e.g. from a PufferLib batch size / bptt_horizon); a mismatch with the envs is an
-        error. 0: whatever the envs produce.
+        (e.g. from a PufferLib batch size / bptt_horizon): envs_per_group x
+        trajectories_per_update x processes x steps_per_cycle / bptt_horizon; a mismatch
+        with the envs is an error. 0: whatever the envs produce.
       prio_alpha: segments are sampled with probability proportional to (sum_t |A_t|) to
         this power; 0: uniform minibatches without replacement.
       prio_beta0: initial exponent of the importance weights (N p_i)^-beta on the policy
         loss; beta rises linearly to 1 over prio_beta_anneal_updates.
-      prio_beta_anneal_updates: learner iterations (trajectories per learner device) over
-        which beta reaches 1, e.g. total_env_steps / (envs_per_group x steps_per_cycle x
+      prio_beta_anneal_updates: learner updates over which beta reaches 1, e.g.
+        total_env_steps / (envs_per_group x steps_per_cycle x trajectories_per_update x
         processes); 0 keeps beta at prio_beta0.
       clip_epsilon: the probability ratio is clipped to [1 - eps, 1 + eps].
       clip_value_loss: also clip the value to within clip_epsilon of its old estimate.
@@ -127,7 +129,7 @@ class PPOExperience(NamedTuple):
     indices: jax.Array  # [num_epochs * num_minibatches, B] int32 segments of each step
     weights: jax.Array  # [N] float32 importance weights of the segments (1 if alpha = 0)
     cursor: jax.Array  # int32, optimizer steps taken on `batch`
-    updates: jax.Array  # int32, trajectories received so far (anneals beta)
+    updates: jax.Array  # int32, learner updates so far (anneals beta)
     key: jax.Array  # typed PRNG key for the next trajectory's minibatches
 
 
@@ -159,12 +161,13 @@ class PPO(sebulba.Agent):
     def new_experience_state(
         self, nets: Nets, key: jax.Array, layout: sebulba.Layout
     ) -> PPOExperience:
-        self._segment_layout(layout.envs_per_learner_shard, layout.steps_per_cycle,
+        # An update's shard has K x E / L rows: K trajectories joined along the env axis.
+        self._segment_layout(layout.envs_per_update_shard, layout.steps_per_cycle,
                              layout.num_learner_devices * layout.num_processes)
         # A placeholder built by the same function as real experience, so its structure
         # and shapes are exactly what update_experience returns (the buffers are donated).
         zeros = sebulba.zeros_trajectory(
-            self, nets, layout.envs_per_learner_shard, layout.steps_per_cycle)
+            self, nets, layout.envs_per_update_shard, layout.steps_per_cycle)
         return self._prepare(zeros, nets, key, jnp.zeros((), jnp.int32))
 
     def _segment_layout(
@@ -188,7 +191,8 @@ class PPO(sebulba.Agent):
         return policy.act(self.network, nets, step_state, env_step, greedy=True,
                           record_core=True)
 
-    # Experience: one trajectory shard, cut into segments, with each step's minibatch.
+    # Experience: one update's trajectory shard, cut into segments, with each step's
+    # minibatch.
 
     def update_experience(
         self,

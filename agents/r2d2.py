@@ -23,7 +23,11 @@ How it fits the Sebulba loop:
   each env's index in its process (`env_index`) and the experience its slot: env i is
   row (i % E) % (E / D) of group i // E's trajectories on its learner device (E envs
   per group, D learner devices), which is how the loop assigns envs to groups and
-  `shard_step_state` splits them.
+  `shard_step_state` splits them; its slot is (i // E) x (E / D) + that row, with E and
+  E / D stored in the experience. An update may join several trajectories
+  (`Config.trajectories_per_update`), so its rows can come from several groups, or
+  hold one env twice (two cycles of one group, the earlier first): rows of one env are
+  applied in row order, each sequence built from what the previous one left pending.
 - Episode boundaries (NEXT_STEP autoreset): `first` resets the LSTM in acting and in
   training (one network, `agents.common.networks`, unrolled over T = 1 or L steps); the
   action at an episode's last step was ignored by the env and is masked out of the
@@ -232,6 +236,7 @@ class R2D2Experience(NamedTuple):
     replay: rp.Replay  # items: Sequence
     pending: PendingSteps
     envs_per_group: jax.Array  # int32 scalar, E of the layout (to find an env's slot)
+    envs_per_shard: jax.Array  # int32 scalar, E / D: rows of one trajectory on a device
     key: jax.Array  # typed PRNG key for sampling
 
 
@@ -281,11 +286,12 @@ class R2D2(sebulba.Agent):
                 f"sequence_length - sequence_overlap = {cfg.sequence_length} - "
                 f"{cfg.sequence_overlap} = {cfg.sequence_period}: R2D2 builds its sequences "
                 "from whole trajectories, starting from their initial LSTM states")
-        rows = layout.envs_per_learner_shard
-        if rows > cfg.replay_capacity:
+        rows = layout.envs_per_learner_shard  # of one trajectory (group), E / D
+        if layout.envs_per_update_shard > cfg.replay_capacity:
             raise ValueError(
                 f"replay_capacity={cfg.replay_capacity} is smaller than the "
-                f"{rows} sequences one trajectory brings each learner device")
+                f"{layout.envs_per_update_shard} sequences one update brings each learner "
+                f"device ({layout.trajectories_per_update} trajectories x {rows} envs)")
         L, T = cfg.sequence_length, cfg.sequence_period
         window, starts = L - T, L // T - 1
         example = sebulba.zeros_trajectory(self, nets, 1, L)
@@ -309,6 +315,7 @@ class R2D2(sebulba.Agent):
                                  priority_exponent=cfg.priority_exponent),
             pending=pending,
             envs_per_group=jnp.asarray(layout.envs_per_group, jnp.int32),
+            envs_per_shard=jnp.asarray(rows, jnp.int32),
             key=key,
         )
 
@@ -346,15 +353,34 @@ class R2D2(sebulba.Agent):
         trajectory: Trajectory,
         nets: Nets,
     ) -> R2D2Experience:
-        """Joins each env's pending steps with this trajectory ([B, T(+1), ...]) into
-        one sequence, inserts it once the env has sent enough, and keeps the new tail."""
+        """Joins each env's pending steps with this update's trajectories ([B, T(+1), ...],
+        B = trajectories_per_update x E / D rows) into one sequence per row, inserts it
+        once the env has sent enough, and keeps the new tail.
+
+        A row's slot comes from its env index, so rows may come from any groups. Rows of
+        one env (several cycles of one group in one update) are applied in row order:
+        pass r handles each env's r-th row, so it sees what the env's previous row left.
+        """
+        index = initial_step_state.env_index  # [B]
+        e, rows = experience.envs_per_group, experience.envs_per_shard
+        slot = (index // e) * rows + (index % e) % rows  # [B]
+        # How many earlier rows of this update belong to the same env: 0 for all rows
+        # unless one group sent several of the update's trajectories.
+        same = slot[:, None] == slot[None, :]
+        rank = jnp.sum(jnp.tril(same, k=-1), axis=1)  # [B]
+
+        def one_pass(r, experience):
+            return self._add_rows(experience, slot, rank == r, initial_step_state, trajectory)
+
+        return jax.lax.fori_loop(0, jnp.max(rank) + 1, one_pass, experience)
+
+    def _add_rows(self, experience: R2D2Experience, slot: jax.Array, active: jax.Array,
+                  initial_step_state: R2D2StepState, trajectory: Trajectory
+                  ) -> R2D2Experience:
+        """`update_experience` for the `active` rows [B], whose slots are distinct."""
         cfg = self.config
         L, T = cfg.sequence_length, cfg.sequence_period
         pending = experience.pending
-        rows = trajectory.actor_outputs.action.shape[0]
-        index = initial_step_state.env_index  # [B]
-        e = experience.envs_per_group
-        slot = (index // e) * rows + (index % e) % rows  # [B]
 
         def rows_of(x):
             return x[slot]
@@ -371,13 +397,15 @@ class R2D2(sebulba.Agent):
             env_steps=steps,
             action=action,
             core=jax.tree.map(lambda s: s[:, 0], starts),
-            env_index=index,
+            env_index=initial_step_state.env_index,
         )
         complete = rows_of(pending.received) >= L // T - 1
-        replay = rp.insert(experience.replay, sequences, complete)
+        replay = rp.insert(experience.replay, sequences, complete & active)
+        # Inactive rows write out of bounds, which the scatter drops.
+        target = jnp.where(active, slot, pending.received.shape[0])
 
         def write(old, new):
-            return old.at[slot].set(new)
+            return old.at[target].set(new, mode="drop")
 
         pending = PendingSteps(
             env_steps=jax.tree.map(lambda old, s: write(old, s[:, T:L]), pending.env_steps,

@@ -1,6 +1,7 @@
 """Simple policy gradient: REINFORCE with a learned baseline, on-policy.
 
-Each received trajectory shard is the experience for one update. Returns are
+Each update's trajectory shard (`trajectories_per_update` trajectories joined along the
+env axis) is the experience for that update. Returns are
 bootstrapped from the baseline at the trajectory's end and at truncations, so a
 trajectory need not hold whole episodes. Read top to bottom: config, state, acting,
 loss.
@@ -47,8 +48,8 @@ class SPGConfig:
 
 
 class SPGExperience(NamedTuple):
-    trajectory: Trajectory  # the latest shard, leaves [E, T(+1), ...]
-    core: PyTree  # leaves [E, ...], the actor's core state before the shard's first step
+    trajectory: Trajectory  # the latest update's shard, leaves [K x E / L, T(+1), ...]
+    core: PyTree  # leaves [K x E / L, ...], the actor's core state before the first step
 
 
 class SPG(sebulba.Agent):
@@ -78,7 +79,7 @@ class SPG(sebulba.Agent):
 
     def new_experience_state(self, nets: Nets, key: jax.Array,
                              layout: sebulba.Layout) -> SPGExperience:
-        num_envs = layout.envs_per_learner_shard
+        num_envs = layout.envs_per_update_shard  # K trajectories x E / L envs
         zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
         return SPGExperience(zeros, self.network.initial_state(num_envs))
 

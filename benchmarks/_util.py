@@ -85,6 +85,29 @@ def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int) -> float
     return vec.num_envs * vector_steps / seconds
 
 
+def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
+                 seed: int) -> float:
+    """Steps/second of a bare EnvPool of num_groups x group_size envs, batch group_size:
+    recv, then send random actions for the envs it returned, over and over."""
+    import numpy as np
+
+    from sebulba.envpool_source import make_pool
+
+    pool = make_pool(task_id, num_groups * group_size, group_size, seed)
+    try:
+        actions = np.random.default_rng(seed).integers(
+            0, pool.action_space.n, size=(batches + 10, group_size)).astype(np.int32)
+        pool.async_reset()
+        for i, a in enumerate(actions):
+            if i == 10:
+                t0 = time.perf_counter()
+            pool.send(a, pool.recv()[4]["env_id"])
+        seconds = time.perf_counter() - t0
+    finally:
+        pool.close()
+    return group_size * batches / seconds
+
+
 def inference_only(agent, num_envs: int, calls: int, seed: int) -> float:
     """Steps/second of `jax.jit(agent.step)` on `num_envs` host observations with the
     action fetched to the host, one call after the other (the framework's work per

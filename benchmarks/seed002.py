@@ -11,6 +11,11 @@ configuration alike), then one summary per configuration with the medians.
 
     python -m benchmarks.seed002
     python -m benchmarks.seed002 --envs_per_group=8,16,32 --vectorizations=sync
+    python -m benchmarks.seed002 --vectorizations=sync,envpool   # issue 14's comparison
+
+With "envpool" (extra `envpool`) each inference device drives one pool of async_factor
+groups from one thread, recv returning whichever group's envs are ready; its env-only
+figure is a bare recv/send loop over the same pool.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from benchmarks._util import (
     emit,
     env_only,
+    envpool_only,
     inference_only,
     int_list,
     measure,
@@ -72,11 +78,16 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         for e in args.envs_per_group:
             for v in args.vectorizations:
-                sps = env_only(lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
-                               vector_steps, args.seed)
-                envs[v, e].append(sps)
-                emit({"record": "env_only", "repeat": repeat, "vectorization": v,
-                      "envs_per_group": e, "steps_per_second": round(sps, 1)})
+                for af in (args.async_factors if v == "envpool" else [1]):
+                    if v == "envpool":  # one pool of all groups, as the loop drives it
+                        sps = envpool_only(ENV_ID, e, af, vector_steps * af, args.seed)
+                    else:
+                        sps = env_only(lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
+                                       vector_steps, args.seed)
+                    envs[v, e, af].append(sps)
+                    emit({"record": "env_only", "repeat": repeat, "vectorization": v,
+                          "async_factor": af, "envs_per_group": e,
+                          "steps_per_second": round(sps, 1)})
             sps = inference_only(agent, e, vector_steps, args.seed)
             infer[e].append(sps)
             emit({"record": "inference_only", "repeat": repeat, "envs_per_group": e,
@@ -87,14 +98,17 @@ def main(argv: list[str] | None = None) -> None:
             emit({"record": "sebulba", "repeat": repeat, **rec})
 
     for (v, af, e), values in runs.items():
-        sps, env_sps, inf_sps = median(values), median(envs[v, e]), median(infer[e])
+        env_sps = median(envs[v, e, af if v == "envpool" else 1])
+        sps, inf_sps = median(values), median(infer[e])
         bound = min(env_sps, inf_sps)
+        serial = 1.0 / (1.0 / env_sps + 1.0 / inf_sps)  # env and inference never overlap
         summary = {
             "record": "summary", "vectorization": v, "async_factor": af, "envs_per_group": e,
             "steps_per_second": sps, "repeats": values, "env_only": env_sps,
             "inference_only": inf_sps, "bound": bound,
             "bounded_by": "env" if env_sps <= inf_sps else "inference",
             "ratio_to_bound": ratio(sps, bound),
+            "serial_bound": round(serial, 1), "ratio_to_serial_bound": ratio(sps, serial),
         }
         if v == "sync":
             summary["meets_target"] = sps >= TARGET_STEPS_PER_SECOND

@@ -89,8 +89,8 @@ class RunResult:
         that acted (0: the freshest networks possible).
       stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
         for room), queue_get (learner waiting), update_experience, optimize.
-      learner_updates: learner updates (trajectories learnt from, as one
-        update_experience each).
+      learner_updates: learner updates (one update_experience each, on
+        `trajectories_per_update` trajectories joined; the unit of policy lag).
       optimizer_steps: optimizer steps run (learner_updates x
         num_off_policy_optims_per_cycle(), skipped warm-up steps included).
       metrics: the learner's last metrics (floats).

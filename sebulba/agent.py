@@ -31,17 +31,22 @@ class Layout:
     """How envs and devices are laid out in a run; agents size their state from it.
 
     Every count is of envs (one env = one acting stream, one row of a trajectory), per
-    process unless it says otherwise.
+    process unless it says otherwise; `steps_per_cycle` counts env steps of one env,
+    `trajectories_per_update` queue items, `num_groups`, `num_learner_devices` and
+    `num_processes` groups, devices and processes.
 
     Attributes:
       envs_per_group: envs in one env group (one inferencer thread's vector env); the
         `E` of a trajectory's leaves [E, T, ...]. The launcher's `--envs_per_group`.
       num_groups: env groups of this process (async_factor x inference devices).
       steps_per_cycle: env steps per inference cycle (T), per env.
-      num_learner_devices: this process's learner devices (one trajectory is split over
-        them along the env axis).
+      num_learner_devices: this process's learner devices (L; one trajectory is split
+        over them along the env axis).
       num_processes: processes in the run; each has `num_groups` groups and the same
         number of learner devices.
+      trajectories_per_update: trajectories (K queue items, one group's inference cycle
+        each, from any groups, possibly the same group twice) joined along the env axis
+        for one learner update, per process. `Config.trajectories_per_update`.
     """
 
     envs_per_group: int
@@ -49,6 +54,7 @@ class Layout:
     steps_per_cycle: int
     num_learner_devices: int
     num_processes: int = 1
+    trajectories_per_update: int = 1
 
     @property
     def total_envs(self) -> int:
@@ -62,8 +68,15 @@ class Layout:
 
     @property
     def envs_per_learner_shard(self) -> int:
-        """Envs of one trajectory that one learner device receives."""
+        """Envs of one trajectory that one learner device receives (E / L)."""
         return self.envs_per_group // self.num_learner_devices
+
+    @property
+    def envs_per_update_shard(self) -> int:
+        """Rows (envs) one learner device sees in one update: the `K x E / L` of the
+        leaves [K x E / L, T(+1), ...] `update_experience` receives, item k's envs in
+        rows [k x E / L, (k + 1) x E / L)."""
+        return self.trajectories_per_update * self.envs_per_learner_shard
 
 
 class Agent(abc.ABC):
@@ -111,8 +124,10 @@ class Agent(abc.ABC):
 
     @abc.abstractmethod
     def new_experience_state(self, nets: Nets, key: jax.Array, layout: Layout) -> Experience:
-        """Experience of one learner device (it sees `layout.envs_per_learner_shard`
-        envs of each trajectory, from `layout.num_groups` groups)."""
+        """Experience of one learner device (each update brings it
+        `layout.envs_per_update_shard` rows: `layout.envs_per_learner_shard` envs of each
+        of `layout.trajectories_per_update` trajectories, from `layout.num_groups`
+        groups)."""
 
     # Acting: compiled on each inference device, called once per env step.
 
@@ -149,7 +164,12 @@ class Agent(abc.ABC):
         trajectory: Trajectory,
         nets: Nets,
     ) -> Experience:
-        """Adds one trajectory shard (leaves [E / L, T(+1), ...]) to the experience.
+        """Adds one update's trajectory shard (leaves [K x E / L, T(+1), ...]) to the
+        experience: `layout.trajectories_per_update` (K) trajectories joined along the env
+        axis in queue order, E / L envs of each (`layout.envs_per_update_shard` rows). With
+        K > 1 the rows may come from different groups, or from several cycles of one
+        group (earlier cycle first); the StepStates' per-env leaves are joined alike,
+        their 0-d leaves are the first trajectory's.
 
         `initial_step_state` is the state the group acted from at the trajectory's first
         step (e.g. an LSTM's state to start training from); `final_step_state` the one
@@ -170,7 +190,8 @@ class Agent(abc.ABC):
         """Applies gradients (already averaged over learner devices)."""
 
     def num_off_policy_optims_per_cycle(self) -> int:
-        """Optimizer steps per learner update (one update per received trajectory)."""
+        """Optimizer steps per learner update (one update per
+        `Config.trajectories_per_update` received trajectories, 1 by default)."""
         return 1
 
     def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets | None]:
@@ -196,10 +217,11 @@ class Agent(abc.ABC):
         """What the learner publishes to the actors: `step` receives it as `nets`.
 
         Called once per publication, compiled, on the learner. `learner_updates` (int32
-        scalar) counts the learner updates (trajectories learnt from, the unit of policy
-        lag) so far, so a schedule (an exploration epsilon, say) can be published with
-        the networks at no per-step cost. Return only what acting reads: a target
-        network need not travel to the inference devices. Default: `nets`.
+        scalar) counts the learner updates (each learns from `trajectories_per_update`
+        trajectories; the unit of policy lag) so far, so a schedule (an exploration
+        epsilon, say) can be published with the networks at no per-step cost. Return
+        only what acting reads: a target network need not travel to the inference
+        devices. Default: `nets`.
         """
         return nets
 

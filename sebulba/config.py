@@ -23,7 +23,9 @@ class Config:
       envs_per_group: envs in each env group (the vector env of one inferencer thread).
         Each group's trajectory is split along the env axis over the learner devices,
         so it must be divisible by their number.
-      vectorization: "sync" (in-thread), "async" (one subprocess per env) or
+      vectorization: "sync" (in-thread), "async" (one subprocess per env), "envpool" (an
+        EnvPool task id: one pool of async_factor groups per inference device, stepped in
+        EnvPool's C++ threads; extra `envpool`) or
         "vector_entry_point" (the env's own vectorized implementation, ids only).
       async_factor: env groups (threads) per inference device; 2 = double buffering.
       steps_per_cycle: env steps per inference cycle (trajectory length T).
@@ -32,6 +34,10 @@ class Config:
         process. With several processes the learner spans these indices of every
         process. Both default to the first local device.
       queue_capacity: trajectories the global queue holds; 0 means one per env group.
+      trajectories_per_update: trajectories (queue items: one env group's inference
+        cycle each, from any groups, in queue order) the learner joins along the env
+        axis for one update; 1 learns from each trajectory as it arrives. Any value
+        works with any queue_capacity: the learner pops items one at a time.
       drop_when_full: drop the oldest queued trajectory instead of waiting for the
         learner (backpressure) when the queue is full. Drops are counted.
       check_finite: raise if the learner's loss is NaN or infinite.
@@ -54,6 +60,7 @@ class Config:
     inference_devices: Sequence[DeviceLike] | None = None
     learner_devices: Sequence[DeviceLike] | None = None
     queue_capacity: int = 0
+    trajectories_per_update: int = 1
     drop_when_full: bool = False
     check_finite: bool = True
     async_context: str = "spawn"
@@ -65,6 +72,13 @@ class Config:
         _positive("envs_per_group", self.envs_per_group)
         _positive("async_factor", self.async_factor)
         _positive("steps_per_cycle", self.steps_per_cycle)
+        # No bound against queue_capacity or the number of groups: the learner pops items
+        # one at a time and holds them until it has K, so the queue never has to hold K
+        # items at once. A producer blocks only on a full queue, which the learner can
+        # always pop from, and never waits for the learner to publish, so every item the
+        # learner waits for is eventually produced (K > num_groups just takes several
+        # cycles of some groups, K items of one group are joined in production order).
+        _positive("trajectories_per_update", self.trajectories_per_update)
         if not isinstance(self.queue_capacity, int) or self.queue_capacity < 0:
             raise ValueError(f"queue_capacity must be an int >= 0, got {self.queue_capacity!r}")
         if self.shutdown_timeout_s <= 0:
@@ -75,16 +89,16 @@ class Config:
             )
         if not isinstance(self.desync_episodes, bool):
             raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
-        if self.desync_episodes and self.vectorization == "vector_entry_point":
+        if self.desync_episodes and self.vectorization in ("vector_entry_point", "envpool"):
             raise ValueError(
                 "desync_episodes wraps each env, so it needs vectorization 'sync' or 'async', "
-                "got 'vector_entry_point'")
+                f"got {self.vectorization!r}")
         if not (isinstance(self.env, str) or callable(self.env)):
             raise TypeError(f"env must be an env id or a factory, got {self.env!r}")
-        if self.vectorization == "vector_entry_point" and not isinstance(self.env, str):
-            raise ValueError(
-                f"vectorization 'vector_entry_point' needs an env id, got the factory {self.env!r}"
-            )
+        if self.vectorization in ("vector_entry_point", "envpool") and \
+                not isinstance(self.env, str):
+            raise ValueError(f"vectorization {self.vectorization!r} needs an env id, got the "
+                             f"factory {self.env!r}")
         num_learners = len(self.resolved_local_learner_devices())
         if self.envs_per_group % num_learners:
             raise ValueError(

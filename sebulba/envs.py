@@ -13,7 +13,7 @@ from sebulba import observations
 from sebulba.types import EnvSpec, EnvStep
 
 EnvFactory = Callable[[], gym.Env]
-VECTORIZATIONS = ("sync", "async", "vector_entry_point")
+VECTORIZATIONS = ("sync", "async", "vector_entry_point", "envpool")
 
 
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
@@ -49,6 +49,17 @@ def env_spec(
     With "vector_entry_point" the spaces are those of the id's own vector env, which may
     preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
     """
+    if vectorization == "envpool":
+        from sebulba.envpool_source import make_pool
+
+        if not isinstance(env, str):
+            raise ValueError(f"vectorization 'envpool' needs an EnvPool task id, got {env!r}")
+        pool = make_pool(env, 1, 1, 0, env_kwargs)
+        try:
+            check_spaces(pool.observation_space, pool.action_space)
+            return EnvSpec(pool.observation_space, pool.action_space)
+        finally:
+            pool.close()
     if isinstance(env, str):
         register_env_family(env)
     if isinstance(env, str) and vectorization == "vector_entry_point":
@@ -187,52 +198,83 @@ def close_vector_env(vec: gym.vector.VectorEnv) -> None:
         vec.close()
 
 
-class HostEnvStepper:
-    """Steps one vector env on the host and tracks episode starts and returns.
+class EpisodeTracker:
+    """Per-env episode starts, returns and lengths for envs addressed by id.
 
-    Turns gymnasium's (obs, reward, terminated, truncated) into `EnvStep`s with fixed
-    dtypes (so the compiled acting step never retraces) and the `first` flag.
+    Turns an env's (obs, reward, terminated, truncated) rows into `EnvStep` rows with
+    fixed dtypes (so the compiled acting step never retraces) and the `first` flag, and
+    reports the (return, length) of the episodes that ended.
     """
+
+    def __init__(self, num_envs: int, observation_space: gym.Space):
+        self._obs_dtype = observations.host_dtype(observation_space)
+        self._was_last = np.ones(num_envs, bool)
+        self._acted = np.zeros(num_envs, bool)  # sent an action since the reset
+        self._returns = np.zeros(num_envs, np.float64)
+        self._lengths = np.zeros(num_envs, np.int64)
+
+    def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
+                ) -> tuple[EnvStep, list[tuple[float, int]], int]:
+        """(EnvStep rows for `ids`, ended episodes, env steps these rows complete)."""
+        first = self._was_last[ids]
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool)
+        last = terminated | truncated
+        self._was_last[ids] = last
+        reward = np.asarray(reward, np.float32)
+        self._returns[ids] = np.where(first, 0.0, self._returns[ids] + reward)
+        self._lengths[ids] = np.where(first, 0, self._lengths[ids] + 1)
+        ended = []
+        if last.any():
+            done = ids[last]
+            ended = list(zip(self._returns[done].tolist(), self._lengths[done].tolist(),
+                             strict=True))
+        steps = int(np.count_nonzero(self._acted[ids]))
+        env_step = EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
+                           first)
+        return env_step, ended, steps
+
+    def sent(self, ids: np.ndarray) -> None:
+        self._acted[ids] = True
+
+
+class VectorEnvSource:
+    """A gymnasium vector env as an env source: one group whose envs step together.
+
+    The env-source interface the inferencers drive (an EnvPool source has the same):
+    `reset(seed)`, then alternately `recv() -> (ids, EnvStep, ended episodes, env steps)`
+    and `send(actions, ids)`; `num_envs` envs in `num_groups` groups of `group_size`.
+    Here recv returns what the last send's step produced, for all envs in id order.
+    """
+
+    num_groups = 1
 
     def __init__(self, vec: gym.vector.VectorEnv):
         self.vec = vec
-        self.num_envs = vec.num_envs
-        self._obs_dtype = observations.host_dtype(vec.single_observation_space)
-        self._was_last = np.ones(self.num_envs, bool)
-        self._returns = np.zeros(self.num_envs, np.float64)
-        self._lengths = np.zeros(self.num_envs, np.int64)
+        self.num_envs = self.group_size = vec.num_envs
+        self._ids = np.arange(self.num_envs)
+        self._tracker = EpisodeTracker(self.num_envs, vec.single_observation_space)
+        self._result: tuple | None = None
 
-    def reset(self, seed: int) -> EnvStep:
+    def reset(self, seed: int) -> None:
         obs, _ = self.vec.reset(seed=seed)
-        n = self.num_envs
-        self._was_last[:] = True
-        zeros = np.zeros(n, bool)
-        return self._env_step(obs, np.zeros(n, np.float32), zeros, zeros)
+        zeros = np.zeros(self.num_envs, bool)
+        self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
 
-    def step(self, action: np.ndarray) -> tuple[EnvStep, list[tuple[float, int]]]:
-        """Returns the next EnvStep and the (return, length) of episodes that ended."""
-        obs, reward, terminated, truncated, _ = self.vec.step(action)
-        env_step = self._env_step(obs, reward, terminated, truncated)
-        first = env_step.first
-        self._returns = np.where(first, 0.0, self._returns + env_step.reward)
-        self._lengths = np.where(first, 0, self._lengths + 1)
-        last = self._was_last
-        if not last.any():
-            return env_step, []
-        returns, lengths = self._returns[last].tolist(), self._lengths[last].tolist()
-        return env_step, list(zip(returns, lengths, strict=True))
+    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
+        return (self._ids, *self._tracker.observe(self._ids, *self._result))
 
-    def _env_step(self, obs, reward, terminated, truncated) -> EnvStep:
-        first = self._was_last
-        terminated = np.asarray(terminated, bool)
-        truncated = np.asarray(truncated, bool)
-        self._was_last = terminated | truncated
-        obs = np.asarray(obs, self._obs_dtype)
-        return EnvStep(obs, np.asarray(reward, np.float32), terminated, truncated, first)
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
+        obs, reward, terminated, truncated, _ = self.vec.step(actions)
+        self._tracker.sent(ids)
+        self._result = (obs, reward, terminated, truncated)
+
+    def close(self) -> None:
+        close_vector_env(self.vec)
 
 
 def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
-    """A zero EnvStep with the shapes and dtypes `HostEnvStepper` produces."""
+    """A zero EnvStep with the shapes and dtypes env sources produce."""
     obs_dtype = observations.host_dtype(spec.observation_space)
     flags = np.zeros(num_envs, bool)
     return EnvStep(

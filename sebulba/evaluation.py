@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sebulba.agent import Agent
-from sebulba.envs import EnvFactory, HostEnvStepper, close_vector_env, make_vector_env
+from sebulba.envs import EnvFactory, VectorEnvSource, close_vector_env, make_vector_env
 from sebulba.types import Nets
 
 
@@ -56,13 +56,15 @@ def evaluate(
     nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
     vec = make_vector_env(env, num_envs, vectorization, env_kwargs)
     try:
-        stepper = HostEnvStepper(vec)
-        env_step = stepper.reset(seed=seed)
+        source = VectorEnvSource(vec)
+        source.reset(seed=seed)
+        ids, env_step, _, _ = source.recv()
         step_state = agent.new_step_state(nets, jax.random.key(seed), num_envs)
         ended: list[tuple[float, int]] = []
         for _ in range(max_env_steps // num_envs):
             output, step_state = act(step_state, nets, env_step)
-            env_step, finished = stepper.step(np.asarray(output.action))
+            source.send(np.asarray(output.action), ids)
+            _, env_step, finished, _ = source.recv()
             ended += finished
             if len(ended) >= num_episodes:
                 break

@@ -1,14 +1,23 @@
-"""Inferencer threads: each owns one env group and runs inference cycles on its device.
+"""Inferencer threads: each drives one env source on one inference device.
 
-One cycle of a group with E envs and T = steps_per_cycle:
+An env source holds `num_groups` env groups of E envs. A gymnasium vector env is one
+group, and `async_factor` such threads per device alternate on the GIL; an EnvPool source
+holds `async_factor` groups in one pool whose `recv` returns whichever E envs finished
+(seed 000's alternation, one thread). The same loop drives both:
 
-    initial = step_state
-    for t in 0..T-1:   one compiled, donated call: agent.step + write step t into the
-                       on-device trajectory buffer; then the action comes to the host
-                       and the vector env steps
-    finish:            write env step T (the bootstrap) into the buffer
-    push (initial, final, trajectory), each split along the env axis over the
-    learner devices, onto the global queue.
+    ids, env_step = source.recv()      # E envs of any of the source's groups
+    record each env's step into its group's current cycle (host memory, numpy)
+    one compiled, donated call on the device: take the ids' StepState rows, keep a copy
+        of those that start a cycle (a trajectory's initial StepState), agent.step, put
+        the rows back -> actions and extras
+    actions and extras to the host (one transfer); record the extras; source.send
+    for each group whose envs all finished the cycle (T actions, then the bootstrap
+    step): push (initial, final, trajectory) sharded over the learner devices
+
+Each env keeps its own cycle and cursor, so envs of a group need not step together: an
+EnvPool env may run up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest.
+Trajectories are built in host memory and go to the learner devices in one transfer per
+device per cycle; the acting call carries only the step's data, not the trajectory.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,74 +35,130 @@ from sebulba import sharding
 from sebulba.accounting import Accounting, StageClock
 from sebulba.agent import Agent
 from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
-from sebulba.envs import HostEnvStepper
 from sebulba.types import ActorOutput, EnvStep, StepState, Trajectory
 
+# Cycles of one group that may be open at once: the slowest env's and those of envs
+# that ran ahead of it. Past that, an env has run a whole cycle ahead: an error.
+MAX_PENDING_CYCLES = 3
+_SNAPSHOT_SLOTS = MAX_PENDING_CYCLES + 1  # a cycle's final StepState is the next's initial
 
-class _Buffer(NamedTuple):
-    trajectory: Trajectory
-    cursor: jax.Array  # int32 scalar: next time index to write
+
+class EnvSource(Protocol):
+    """What an inferencer thread drives (`sebulba.envs.VectorEnvSource`, EnvPool's)."""
+
+    num_envs: int
+    num_groups: int
+    group_size: int
+
+    def reset(self, seed: int) -> None: ...
+    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]: ...
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None: ...
+    def close(self) -> None: ...
+
+
+class ActorState(NamedTuple):
+    """An inferencer's device state: the StepState of its N envs (leaves [N, ...]) and
+    copies of rows taken where a cycle starts (leaves [slots, N, ...])."""
+
+    step_state: StepState
+    snapshots: StepState
+
+
+def _is_shared(x) -> bool:
+    return jnp.ndim(x) == 0  # a 0-d StepState leaf is shared by all envs
 
 
 class ActingFunctions:
-    """The compiled acting functions, shared by all env groups of a run."""
+    """The compiled acting functions, shared by all inferencer threads of a run."""
 
     def __init__(self, agent: Agent, steps_per_cycle: int):
         self.agent = agent
         self.steps_per_cycle = steps_per_cycle
-        self.act = jax.jit(self._act, donate_argnums=(1, 3))
-        self.finish = jax.jit(self._finish, donate_argnums=0)
+        self.act = jax.jit(self._act, donate_argnums=1)
+        self.act_all = jax.jit(self._act_all, donate_argnums=1)
+        self.snapshot = jax.jit(self._snapshot, donate_argnums=0)  # once a cycle starts
+        self.take = jax.jit(self._take, static_argnums=(2, 3))
 
-    def _act(self, nets, step_state, env_step: EnvStep, buf: _Buffer):
-        actor_output, step_state = self.agent.step(step_state, nets, env_step)
-        t = buf.cursor
+    def _act(self, nets, step_state: StepState, ids: jax.Array,
+             env_step: EnvStep) -> tuple[ActorOutput, StepState]:
+        """Acts for envs `ids` [E] of the N whose StepState rows `step_state` holds."""
+        rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
+        output, rows = self.agent.step(rows, nets, env_step)
+        return output, jax.tree.map(lambda x, r: r if _is_shared(x) else x.at[ids].set(r),
+                                    step_state, rows)
 
-        def write(buffer_leaf, x):
-            return jax.lax.dynamic_update_index_in_dim(buffer_leaf, x, t, axis=1)
+    def _act_all(self, nets, step_state: StepState,
+                 env_step: EnvStep) -> tuple[ActorOutput, StepState]:
+        """`_act` for all N envs in order, as a vector env steps them: no row gathering."""
+        return self.agent.step(step_state, nets, env_step)
 
-        trajectory = Trajectory(
-            env_steps=jax.tree.map(write, buf.trajectory.env_steps, env_step),
-            actor_outputs=jax.tree.map(write, buf.trajectory.actor_outputs, actor_output),
-        )
-        return actor_output.action, step_state, _Buffer(trajectory, t + 1)
+    @staticmethod
+    def _snapshot(snapshots: StepState, step_state: StepState, ids: jax.Array,
+                  slots: jax.Array) -> StepState:
+        """Copies the StepState rows of envs `ids` [E] to their `slots` [E] (where a cycle
+        starts; slot `_SNAPSHOT_SLOTS` means no copy)."""
+        rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
+        return jax.tree.map(
+            lambda buf, r: (buf.at[slots].set(r, mode="drop") if _is_shared(r)
+                            else buf.at[slots, ids].set(r, mode="drop")), snapshots, rows)
 
-    def _finish(self, buf: _Buffer, env_step: EnvStep) -> _Buffer:
-        env_steps = jax.tree.map(
-            lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, self.steps_per_cycle, axis=1),
-            buf.trajectory.env_steps,
-            env_step,
-        )
-        return _Buffer(buf.trajectory._replace(env_steps=env_steps), jnp.zeros((), jnp.int32))
+    @staticmethod
+    def _take(snapshots: StepState, slot: jax.Array, group: int, size: int) -> StepState:
+        """The StepState rows of `group`'s envs kept in `slot`: leaves [size, ...]."""
+        return jax.tree.map(
+            lambda b: b[slot] if b.ndim == 1  # a shared (0-d) leaf, one copy per slot
+            else jax.lax.dynamic_slice_in_dim(b[slot], group * size, size), snapshots)
 
-    def new_buffer(self, nets, step_state, env_step: EnvStep, device: jax.Device) -> _Buffer:
-        """A zeroed trajectory buffer on `device`, shaped from one traced step."""
-        out_shape, _ = jax.eval_shape(self.agent.step, step_state, nets, env_step)
-        if not isinstance(out_shape, ActorOutput):
-            raise TypeError(
-                f"Agent.step must return (ActorOutput, StepState), got {type(out_shape)}"
-            )
-        t = self.steps_per_cycle
+    def new_state(self, step_state: StepState, device: jax.Device) -> ActorState:
+        snapshots = jax.tree.map(
+            lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype) if not
+            jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else jnp.stack([x] * _SNAPSHOT_SLOTS), step_state)
+        return jax.device_put(ActorState(step_state, snapshots), device, may_alias=False)
 
-        def zeros(x, length):
-            shape = (x.shape[0], length) + tuple(x.shape[1:])
-            return np.zeros(shape, x.dtype)
 
-        trajectory = Trajectory(
-            env_steps=jax.tree.map(lambda x: zeros(x, t + 1), env_step),
-            actor_outputs=jax.tree.map(lambda x: zeros(x, t), out_shape),
-        )
-        return jax.device_put(_Buffer(trajectory, np.zeros((), np.int32)), device)
+class _Cycle:
+    """One group's inference cycle being recorded in host memory."""
+
+    def __init__(self, version: int, env_step: EnvStep, num_envs: int, steps: int):
+        self.version = version  # learner updates of the oldest networks that acted in it
+        self.env_steps = jax.tree.map(
+            lambda x: np.zeros((num_envs, steps + 1) + x.shape[1:], x.dtype), env_step)
+        self.actor_outputs: ActorOutput | None = None  # allocated from the first output
+        self.steps = steps
+
+    def write_env_step(self, rows: np.ndarray | None, t: np.ndarray | int,
+                       env_step: EnvStep, mask: np.ndarray | None) -> None:
+        """Rows `rows` (None: all, in order) at times `t` from `env_step`'s rows `mask`."""
+        for buf, x in zip(self.env_steps, env_step, strict=True):
+            if rows is None:
+                buf[:, t] = x
+            else:
+                buf[rows, t] = x[mask]
+
+    def write_output(self, rows: np.ndarray, t: np.ndarray, output: ActorOutput,
+                     mask: np.ndarray) -> None:
+        if self.actor_outputs is None:
+            num_envs = self.env_steps.reward.shape[0]
+            self.actor_outputs = jax.tree.map(
+                lambda x: np.zeros((num_envs, self.steps) + x.shape[1:], x.dtype), output)
+        for buf, x in zip(jax.tree.leaves(self.actor_outputs), jax.tree.leaves(output),
+                          strict=True):
+            if rows is None:
+                buf[:, t] = x
+            else:
+                buf[rows, t] = x[mask]
 
 
 class EnvGroupRunner:
-    """The body of one inferencer thread."""
+    """The body of one inferencer thread: one env source, its groups' cycles."""
 
     def __init__(
         self,
         *,
-        group: int,
+        first_group: int,
         device: jax.Device,
-        stepper: HostEnvStepper,
+        source: EnvSource,
         step_state: StepState,
         seed: int,
         acting: ActingFunctions,
@@ -105,10 +170,10 @@ class EnvGroupRunner:
         errors: ErrorBox,
         accounting: Accounting,
     ):
-        self.group = group
+        self.first_group = first_group
         self.device = device
-        self.stepper = stepper
-        self.step_state = jax.device_put(step_state, device, may_alias=False)
+        self.source = source
+        self.state = acting.new_state(step_state, device)
         self.seed = seed
         self.acting = acting
         self.staging = staging
@@ -118,8 +183,20 @@ class EnvGroupRunner:
         self.stop = stop
         self.errors = errors
         self.accounting = accounting
-        self.partial_steps = 0  # env steps taken in the cycle not yet on the queue
+        self.partial_steps = 0  # env steps taken in cycles not yet on the queue
         self.finished = False  # the thread left its loop without an error
+
+    @property
+    def name(self) -> str:
+        last = self.first_group + self.source.num_groups - 1
+        groups = f"{self.first_group}" if last == self.first_group else \
+            f"{self.first_group}-{last}"
+        return f"sebulba-inferencer-{groups}"
+
+    @property
+    def step_state(self) -> StepState:
+        """The StepState of the source's envs, in env order."""
+        return self.state.step_state
 
     def __call__(self) -> None:
         try:
@@ -129,37 +206,126 @@ class EnvGroupRunner:
             self.errors.report(e)
 
     def _run(self) -> None:
-        agent = self.acting.agent
-        num_envs = self.stepper.num_envs
+        source, steps = self.source, self.acting.steps_per_cycle
+        size, num_groups = source.group_size, source.num_groups
+        cycle = np.zeros(source.num_envs, np.int64)  # each env's current cycle
+        cursor = np.zeros(source.num_envs, np.int64)  # actions it took in that cycle
+        open_cycles: dict[tuple[int, int], _Cycle] = {}
+        oldest = [0] * num_groups  # each group's oldest cycle not yet pushed
+        initial: dict[int, StepState] = {}  # group -> its next trajectory's sharded initial
         clock = StageClock()
-        env_step = self.stepper.reset(seed=self.seed)
-        _, nets = self.staging.latest()
-        buf = self.acting.new_buffer(nets, self.step_state, env_step, self.device)
-        clock.lap("env_step")
+        source.reset(seed=self.seed)
+        version, nets = self.staging.latest()  # refreshed where a cycle starts
+        whole = source.num_groups == 1 and size == source.num_envs
         while not self.stop.is_set():
-            version, nets = self.staging.latest()
-            initial = agent.shard_step_state(self.step_state, self.learner_devices)
-            clock.lap("shard")
-            for _ in range(self.acting.steps_per_cycle):
-                if self.stop.is_set():
+            ids, env_step, ended, new_steps = source.recv()
+            self.partial_steps += new_steps
+            self.accounting.add_env_steps(new_steps, ended)
+            clock.lap("env_step")
+            groups = ids // size
+            bootstrap = cursor[ids] == steps
+            if bootstrap.any():  # entry T of their cycle, and entry 0 of the next
+                self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
+                                       bootstrap, version)
+                done = ids[bootstrap]
+                cycle[done] += 1
+                cursor[done] = 0
+            starts = cursor[ids] == 0
+            if starts.any():  # keep the StepState rows a trajectory starts from
+                slots = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
+                self.state = self.state._replace(snapshots=self.acting.snapshot(
+                    self.state.snapshots, self.state.step_state, ids.astype(np.int32),
+                    slots.astype(np.int32)))
+            complete = [g for g in np.unique(groups[bootstrap]).tolist()
+                        if cycle[g * size:(g + 1) * size].min() > oldest[g]]
+            for g in complete:
+                # Push before acting, so that the next cycle acts with the networks
+                # published while the push waited for room in the queue.
+                record = open_cycles.pop((g, oldest[g]))
+                if not self._push(g, record, oldest[g], initial, clock):
                     return
-                action, self.step_state, buf = self.acting.act(nets, self.step_state, env_step, buf)
-                action = np.asarray(action)
-                clock.lap("inference")
-                env_step, ended = self.stepper.step(action)
-                self.partial_steps += num_envs
-                self.accounting.add_env_steps(num_envs, ended)
-                clock.lap("env_step")
-            buf = self.acting.finish(buf, env_step)
-            final = agent.shard_step_state(self.step_state, self.learner_devices)
-            trajectory = sharding.shard_env_axis(buf.trajectory, self.learner_devices)
-            clock.lap("shard")
-            item = QueueItem(self.group, version, initial, final, trajectory, self.partial_steps)
-            if not self._put(item):
-                return
-            self.partial_steps = 0
-            clock.lap("queue_put")
-            clock.flush_into(self.accounting)
+                oldest[g] += 1
+            if complete:
+                clock.flush_into(self.accounting)
+            if starts.any():  # a cycle starts with the latest networks
+                version, nets = self.staging.latest()
+            self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
+                                   np.ones(len(ids), bool), version, oldest, whole)
+            clock.lap("record")
+            if whole:  # a vector env: every env, in order, every step
+                output, step_state = self.acting.act_all(nets, self.state.step_state,
+                                                         env_step)
+            else:
+                output, step_state = self.acting.act(nets, self.state.step_state,
+                                                     ids.astype(np.int32), env_step)
+            self.state = self.state._replace(step_state=step_state)
+            action = np.asarray(output.action)
+            output = jax.tree.map(np.asarray, output)
+            clock.lap("inference")
+            self._record_outputs(open_cycles, ids, groups, cycle, cursor, output, whole)
+            cursor[ids] += 1
+            clock.lap("record")
+            source.send(action, ids)
+            clock.lap("env_step")
+
+    def _record_env_steps(self, open_cycles, ids, groups, cycle, cursor, env_step, mask,
+                          version, oldest=None, whole=False) -> None:
+        """Writes the env step rows `mask` into each env's current cycle at its cursor."""
+        size = self.source.group_size
+        if whole and (g_c := (0, int(cycle[0]))) in open_cycles:  # all envs at one cursor
+            open_cycles[g_c].write_env_step(None, int(cursor[0]), env_step, None)
+            return
+        keys = groups[mask] * (1 << 32) + cycle[ids[mask]]
+        for key in np.unique(keys).tolist():
+            g, c = divmod(key, 1 << 32)
+            record = open_cycles.get((g, c))
+            if record is None:
+                if oldest is not None and c - oldest[g] >= MAX_PENDING_CYCLES:
+                    raise RuntimeError(
+                        f"an env of group {self.first_group + g} is {MAX_PENDING_CYCLES} "
+                        "cycles ahead of the slowest env of its group: its envs' step times "
+                        f"differ too much for steps_per_cycle={self.acting.steps_per_cycle}; "
+                        "raise steps_per_cycle")
+                record = open_cycles[(g, c)] = _Cycle(version, env_step, size,
+                                                      self.acting.steps_per_cycle)
+            sel = mask.copy()
+            sel[mask] = keys == key
+            record.write_env_step(ids[sel] % size, cursor[ids[sel]], env_step, sel)
+
+    def _record_outputs(self, open_cycles, ids, groups, cycle, cursor, output,
+                        whole=False) -> None:
+        size = self.source.group_size
+        if whole:  # all envs at one cursor of one cycle
+            open_cycles[(0, int(cycle[0]))].write_output(None, int(cursor[0]), output, None)
+            return
+        keys = groups * (1 << 32) + cycle[ids]
+        for key in np.unique(keys).tolist():
+            sel = keys == key
+            record = open_cycles[divmod(key, 1 << 32)]
+            record.write_output(ids[sel] % size, cursor[ids[sel]], output, sel)
+
+    def _push(self, g: int, record: _Cycle, c: int, initial: dict[int, StepState],
+              clock: StageClock) -> bool:
+        """Puts group g's cycle c on the queue; False if the run stopped first."""
+        agent, size, devices = self.acting.agent, self.source.group_size, self.learner_devices
+        snapshots = self.state.snapshots
+        if g not in initial:
+            first = self.acting.take(snapshots, np.int32(c % _SNAPSHOT_SLOTS), g, size)
+            initial[g] = agent.shard_step_state(first, devices)
+        last = self.acting.take(snapshots, np.int32((c + 1) % _SNAPSHOT_SLOTS), g, size)
+        final = agent.shard_step_state(last, devices)
+        trajectory = sharding.shard_host_env_axis(
+            Trajectory(record.env_steps, record.actor_outputs), devices)
+        num_steps = size * self.acting.steps_per_cycle
+        item = QueueItem(self.first_group + g, record.version, initial[g], final, trajectory,
+                         num_steps)
+        initial[g] = final  # the next cycle starts where this one ended
+        clock.lap("shard")
+        if not self._put(item):
+            return False
+        self.partial_steps -= num_steps
+        clock.lap("queue_put")
+        return True
 
     def _put(self, item: QueueItem) -> bool:
         """Puts `item` on the queue; False if the run stopped first."""
@@ -181,3 +347,4 @@ class EnvGroupRunner:
                 except queue.Full:
                     pass
         return False
+

@@ -1,8 +1,10 @@
 """The learner: its state on the learner devices, its compiled functions, one update.
 
-One learner update takes one queue item (a group's trajectory, sharded over the learner
-devices) and runs, on every learner device at once:
+One learner update takes K = `trajectories_per_update` queue items (K inference cycles
+of any groups, in queue order, each sharded over the learner devices) and runs, on
+every learner device at once:
 
+    initial, final, trajectory = the K items joined along the env axis   # if K > 1
     experience = agent.update_experience(experience, initial, final, trajectory, nets)
     repeat agent.num_off_policy_optims_per_cycle():      # optimizer steps
         if agent.ready_to_learn(experience) on every learner device:
@@ -14,8 +16,15 @@ modern form of `pmap` (JAX's own `pmap` is implemented this way since 0.8). Argu
 results carry a leading learner axis; the agent's functions see one device's entry,
 without that axis. Gradients and metrics are averaged with `pmean` over the mesh.
 
-Units: `updates` counts learner updates (trajectories learnt from); policy lag is in
-these units. `optimizer_steps` counts the optimizer steps run, skipped ones included.
+The join is one compiled call on the learner devices (no host round trip): each device
+concatenates its own pieces, [E / L, ...] of each item, into [K x E / L, ...], item k in
+rows [k x E / L, (k + 1) x E / L); 0-d leaves (replicated, [L] globally) are the first
+item's. Its results are sharded as the items are (leading learner axis over the learner
+mesh), so `update_experience` compiles once whatever K is.
+
+Units: `updates` counts learner updates (K trajectories learnt from each); policy lag
+is in these units. `optimizer_steps` counts the optimizer steps run, skipped ones
+included.
 """
 
 from __future__ import annotations
@@ -50,6 +59,29 @@ def per_learner_device(
     spec = P(LEARNER_AXIS)
     mapped = jax.shard_map(on_one_device, mesh=mesh, in_specs=spec, out_specs=spec)
     return jax.jit(mapped, donate_argnums=donate_argnums)
+
+
+def env_axis_joiner(devices: Sequence[jax.Device]) -> Callable:
+    """Compiles `join(trees) -> tree`: K pytrees of global [L, E / L, ...] arrays (per-env
+    leaves) or [L] arrays (0-d leaves, replicated) joined on the learner devices.
+
+    Per-env leaves are concatenated along axis 1, the env axis after the learner axis
+    ([L, K x E / L, ...], tree k's envs in rows [k x E / L, (k + 1) x E / L) of every
+    device); 0-d leaves are taken from the first tree. Each device joins its own pieces
+    (a `shard_map`, no communication), and the result keeps the inputs' sharding.
+    """
+
+    def join(trees):
+        def leaf(*xs):
+            if xs[0].ndim <= 1:  # [1] on this device: a replicated 0-d leaf
+                return xs[0]
+            return jnp.concatenate(xs, axis=1)
+
+        return jax.tree.map(leaf, *trees)
+
+    mesh = sharding.learner_mesh(tuple(devices))
+    spec = P(LEARNER_AXIS)
+    return jax.jit(jax.shard_map(join, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
 def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experience
@@ -101,16 +133,21 @@ class Learner:
     """
 
     def __init__(self, agent: Agent, devices: Sequence[jax.Device], *,
-                 check_finite: bool = True):
+                 check_finite: bool = True, trajectories_per_update: int = 1):
         optims = agent.num_off_policy_optims_per_cycle()
         if not isinstance(optims, int) or isinstance(optims, bool) or optims < 0:
             raise ValueError(
                 f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
+        k = trajectories_per_update
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"trajectories_per_update must be an int >= 1, got {k!r}")
         self.agent = agent
         self.devices = list(devices)  # the learner mesh: every process's learner devices
         self.optims_per_update = optims
+        self.trajectories_per_update = k
         self.check_finite = check_finite
         self.num_processes = len({d.process_index for d in self.devices})
+        self._join = env_axis_joiner(self.devices)
         self._update_experience = per_learner_device(
             agent.update_experience, self.devices, donate_argnums=(0,))
         self._optimize = per_learner_device(
@@ -142,13 +179,26 @@ class Learner:
         for staging in self.stagings:
             staging.publish(self.updates, self.published)
 
-    def update(self, item: QueueItem) -> None:
-        """One learner update on `item`: update_experience, optimizer steps, publish."""
+    def update(self, items: Sequence[QueueItem]) -> None:
+        """One learner update on `trajectories_per_update` items (in queue order; a bare
+        QueueItem is one item): join, update_experience, optimizer steps, publish."""
+        if isinstance(items, QueueItem):
+            items = [items]
+        if len(items) != self.trajectories_per_update:
+            raise ValueError(
+                f"a learner update takes trajectories_per_update="
+                f"{self.trajectories_per_update} queue items, got {len(items)}")
         try:
             t0 = time.perf_counter()
+            if len(items) == 1:
+                item = items[0]
+                initial, final, trajectory = (
+                    item.initial_step_state, item.final_step_state, item.trajectory)
+            else:
+                initial, final, trajectory = self._join(tuple(
+                    (i.initial_step_state, i.final_step_state, i.trajectory) for i in items))
             self.experience = self._update_experience(
-                self.experience, item.initial_step_state, item.final_step_state,
-                item.trajectory, self.nets)
+                self.experience, initial, final, trajectory, self.nets)
             t1 = time.perf_counter()
             metrics = None
             for _ in range(self.optims_per_update):

@@ -18,14 +18,14 @@ from sebulba.accounting import Accounting, RunResult
 from sebulba.agent import Agent, Layout
 from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.config import Config
+from sebulba.envpool_source import EnvPoolSource
 from sebulba.envs import (
-    HostEnvStepper,
+    VectorEnvSource,
     check_desync,
-    close_vector_env,
     env_spec,
     make_vector_env,
 )
-from sebulba.inferencer import ActingFunctions, EnvGroupRunner
+from sebulba.inferencer import ActingFunctions, EnvGroupRunner, EnvSource
 from sebulba.learner import Learner
 from sebulba.types import AgentState, Nets, PyTree
 
@@ -35,7 +35,8 @@ class UpdateInfo:
     """What `on_update` callbacks see after each learner iteration.
 
     Attributes:
-      version: learner updates so far (trajectories learnt from; the unit of policy lag).
+      version: learner updates so far (each on `trajectories_per_update` trajectories;
+        the unit of policy lag).
       metrics: the learner's metrics of the previous update (floats; fetched one update
         late so the learner never waits for the device; empty at first).
       nets: what was just published to the actors, `Agent.acting_nets` of the networks
@@ -92,9 +93,11 @@ class Sebulba:
             steps_per_cycle=config.steps_per_cycle,
             num_learner_devices=len(self.local_learner_devices),
             num_processes=self.num_processes,
+            trajectories_per_update=config.trajectories_per_update,
         )
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
-        self.learner = Learner(agent, self.learner_devices, check_finite=config.check_finite)
+        self.learner = Learner(agent, self.learner_devices, check_finite=config.check_finite,
+                               trajectories_per_update=config.trajectories_per_update)
 
     def initial_state(self) -> AgentState:
         """The agent's initial state; nets, optimizer and experience are the same in every
@@ -121,7 +124,8 @@ class Sebulba:
 
         Args:
           total_env_steps: env steps over all envs of all processes the learner must
-            consume. Every process consumes one trajectory per learner iteration.
+            consume. Every process consumes `trajectories_per_update` trajectories per
+            learner iteration.
           state: where to start from; `initial_state()` if None.
           learn: if False, trajectories are consumed without updates (acting only).
           on_update: called on the learner thread after each learner iteration (for
@@ -155,24 +159,30 @@ class Sebulba:
 
         runners: list[EnvGroupRunner] = []
         threads: list[threading.Thread] = []
-        popped: QueueItem | None = None
+        popped: list[QueueItem] = []  # items taken from the queue, not yet learnt from
         start = time.perf_counter()
         try:
             runners = self._make_runners(state.step_state, stagings, trajectories, stop, errors,
                                          accounting)
             for r in runners:
                 threads.append(threading.Thread(
-                    target=r, name=f"sebulba-inferencer-{r.group}", daemon=True))
+                    target=r, name=r.name, daemon=True))
             start = time.perf_counter()
             for t in threads:
                 t.start()
+            # `consumed` grows only after an update, so an iteration always gathers its K
+            # items (popped one at a time: see Config.trajectories_per_update for why this
+            # cannot deadlock) and every process runs the same number of iterations.
             while accounting.consumed * self.num_processes < total_env_steps:
-                popped = self._get(trajectories, errors, accounting)
-                lag = learner.updates - popped.version
+                popped.append(self._get(trajectories, errors, accounting))
+                if len(popped) < cfg.trajectories_per_update:
+                    continue
+                lags = [learner.updates - item.version for item in popped]
                 if learn:
                     learner.update(popped)
-                accounting.add_consumed(popped.num_env_steps, lag)
-                popped = None
+                for item, lag in zip(popped, lags, strict=True):
+                    accounting.add_consumed(item.num_env_steps, lag)
+                popped = []
                 if on_update is not None:
                     on_update(UpdateInfo(
                         learner.updates, learner.metrics, learner.published, accounting,
@@ -189,7 +199,7 @@ class Sebulba:
                 f"{still_alive}")
 
         in_flight = sum(r.partial_steps for r in runners)
-        in_flight += popped.num_env_steps if popped is not None else 0
+        in_flight += sum(item.num_env_steps for item in popped)
         while True:
             try:
                 in_flight += trajectories.get_nowait().num_env_steps
@@ -218,22 +228,46 @@ class Sebulba:
             learner_experience=learner.experience,
         )
 
+    def _make_sources(self) -> list[tuple[int, jax.Device, EnvSource]]:
+        """(first group, inference device, env source) of each inferencer thread.
+
+        Gymnasium vectorizations: one vector env, one group, per thread, `async_factor`
+        threads per device. EnvPool: one pool of `async_factor` groups per device.
+        """
+        cfg = self.config
+        size, per_device = cfg.envs_per_group, cfg.async_factor
+        sources: list[tuple[int, jax.Device, EnvSource]] = []
+        try:
+            for d, device in enumerate(self.inference_devices):
+                first = d * per_device
+                if cfg.vectorization == "envpool":
+                    seed = cfg.seed + (self.process_index * cfg.num_groups + first) * size
+                    sources.append((first, device, EnvPoolSource(
+                        cfg.env, per_device, size, seed, cfg.env_kwargs)))
+                    continue
+                for group in range(first, first + per_device):
+                    vec = make_vector_env(cfg.env, size, cfg.vectorization, cfg.env_kwargs,
+                                          cfg.async_context, cfg.desync_episodes)
+                    sources.append((group, device, VectorEnvSource(vec)))
+        except BaseException:
+            for _, _, source in sources:
+                source.close()
+            raise
+        return sources
+
     def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):
         cfg = self.config
-        envs_per_group = cfg.envs_per_group
+        size = cfg.envs_per_group
         runners = []
+        sources = self._make_sources()
         try:
-            for group in range(cfg.num_groups):
-                device = self.inference_devices[group // cfg.async_factor]
-                vec = make_vector_env(cfg.env, envs_per_group, cfg.vectorization,
-                                      cfg.env_kwargs, cfg.async_context, cfg.desync_episodes)
+            for first, device, source in sources:
                 runners.append(EnvGroupRunner(
-                    group=group,
+                    first_group=first,
                     device=device,
-                    stepper=HostEnvStepper(vec),
-                    step_state=_slice_env_axis(step_state, group * envs_per_group,
-                                               envs_per_group),
-                    seed=cfg.seed + (self.process_index * cfg.num_groups + group) * envs_per_group,
+                    source=source,
+                    step_state=_slice_env_axis(step_state, first * size, source.num_envs),
+                    seed=cfg.seed + (self.process_index * cfg.num_groups + first) * size,
                     acting=self.acting,
                     staging=stagings[device],
                     learner_devices=self.learner_devices,
@@ -244,8 +278,8 @@ class Sebulba:
                     accounting=accounting,
                 ))
         except BaseException:
-            for r in runners:
-                close_vector_env(r.stepper.vec)
+            for _, _, source in sources:
+                source.close()
             raise
         return runners
 
@@ -277,7 +311,7 @@ class Sebulba:
         for r in runners:
             # A broken env must not keep the others from closing.
             with contextlib.suppress(Exception):
-                close_vector_env(r.stepper.vec)
+                r.source.close()
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

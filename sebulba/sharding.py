@@ -85,6 +85,23 @@ def shard_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     return assemble([jax.device_put(p, d) for p, d in zip(pieces, local, strict=True)], devices)
 
 
+def shard_host_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
+    """`shard_env_axis` for a pytree of host (numpy) arrays with an env axis first: each
+    local learner device gets its slice straight from host memory, one transfer each."""
+    local = local_devices_of(devices)
+    n = len(local)
+
+    def piece(x: np.ndarray, i: int) -> np.ndarray:
+        if x.shape[0] % n:
+            raise ValueError(f"a per-env leaf of shape {x.shape} has {x.shape[0]} envs, not "
+                             f"divisible by {n} local learner devices")
+        size = x.shape[0] // n
+        return x[i * size:(i + 1) * size]
+
+    return assemble([jax.device_put(jax.tree.map(lambda x, i=i: piece(x, i), tree), d)
+                     for i, d in enumerate(local)], devices)
+
+
 def replicate(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     """The same pytree on every learner device, with a leading learner axis."""
     local = local_devices_of(devices)

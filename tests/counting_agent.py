@@ -16,16 +16,19 @@ class CountingStepState(NamedTuple):
 
 
 class Log(NamedTuple):
-    obs: jax.Array  # [C, E/L, T+1, 3]
-    first: jax.Array  # [C, E/L, T+1]
-    initial_count: jax.Array  # [C, E/L]
-    final_count: jax.Array  # [C, E/L]
-    final_id: jax.Array  # [C, E/L]
-    size: jax.Array  # int32, trajectories logged
+    """What each of the first C updates received; an update's rows are K x E/L (K =
+    trajectories_per_update, item k's envs in rows [k E/L, (k + 1) E/L))."""
+
+    obs: jax.Array  # [C, K E/L, T+1, 3]
+    first: jax.Array  # [C, K E/L, T+1]
+    initial_count: jax.Array  # [C, K E/L]
+    final_count: jax.Array  # [C, K E/L]
+    final_id: jax.Array  # [C, K E/L]
+    size: jax.Array  # int32, updates logged
 
 
 class CountingAgent(sebulba.Agent):
-    """Acts with action 0, counts its steps, and logs up to `capacity` trajectories."""
+    """Acts with action 0, counts its steps, and logs up to `capacity` updates."""
 
     def __init__(self, env_spec, capacity: int = 64):
         super().__init__(env_spec)
@@ -41,7 +44,7 @@ class CountingAgent(sebulba.Agent):
         return ()
 
     def new_experience_state(self, nets, key, layout):
-        c, e, t = self.capacity, layout.envs_per_learner_shard, layout.steps_per_cycle
+        c, e, t = self.capacity, layout.envs_per_update_shard, layout.steps_per_cycle
         return Log(
             obs=jnp.zeros((c, e, t + 1, 3)),
             first=jnp.zeros((c, e, t + 1), bool),

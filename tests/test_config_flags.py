@@ -70,13 +70,15 @@ def test_flags_set_every_kind_of_config_field():
         "--vectorization=async", "--async_factor=1", "--steps_per_cycle=8",
         "--inference_devices=1", "--learner_devices=0,1", "--queue_capacity=3",
         "--drop_when_full", "--nocheck_finite", "--async_context=forkserver",
-        "--shutdown_timeout_s=2.5", "--seed=7", "--desync_episodes").values()
+        "--shutdown_timeout_s=2.5", "--seed=7", "--desync_episodes",
+        "--trajectories_per_update=2").values()
     assert values == {
         "env": "Acrobot-v1", "env_kwargs": {"max_episode_steps": 50}, "envs_per_group": 4,
         "vectorization": "async", "async_factor": 1, "steps_per_cycle": 8,
         "inference_devices": [1], "learner_devices": [0, 1], "queue_capacity": 3,
         "drop_when_full": True, "check_finite": False, "async_context": "forkserver",
-        "shutdown_timeout_s": 2.5, "seed": 7, "desync_episodes": True}
+        "shutdown_timeout_s": 2.5, "seed": 7, "desync_episodes": True,
+        "trajectories_per_update": 2}
     assert {f.name for f in dataclasses.fields(sebulba.Config)} == set(values)
     config = sebulba.Config(**values)
     assert config.resolved_global_learner_devices()[1] == config.resolved_inference_devices()[0]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sebulba
-from sebulba.envs import DesyncFirstEpisode, HostEnvStepper, make_vector_env
+from sebulba.envs import DesyncFirstEpisode, VectorEnvSource, make_vector_env
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
@@ -58,8 +58,7 @@ def test_an_env_without_a_step_limit_is_rejected_at_construction():
 def test_cartpole_ids_get_the_wrapper_with_their_registered_limit():
     vec = make_vector_env("CartPole-v1", 8, "sync", desync_episodes=True)
     try:
-        stepper = HostEnvStepper(vec)
-        stepper.reset(seed=0)
+        VectorEnvSource(vec).reset(seed=0)
         cuts = [e.first_episode_length for e in vec.envs if isinstance(e, DesyncFirstEpisode)]
         assert len(cuts) == 8 and max(cuts) <= 500 and len(set(cuts)) == 8
     finally:
@@ -96,14 +95,16 @@ def test_desync_spreads_the_episode_phases_in_the_buffer(no_leftovers):
 def test_factories_are_desynced_in_subprocess_workers_too(no_leftovers):
     vec = make_vector_env(limited_counting_env, 2, "async", desync_episodes=True)
     try:
-        stepper = HostEnvStepper(vec)
-        stepper.reset(seed=0)
+        source = VectorEnvSource(vec)
+        source.reset(seed=0)
+        ids, _, _, _ = source.recv()
         cuts = [DesyncFirstEpisode(limited_counting_env()) for _ in range(2)]
         for seed, env in enumerate(cuts):
             env.reset(seed=seed)
         ends = []
         for t in range(1, EPISODE_LENGTH + 1):
-            env_step, _ = stepper.step(np.zeros(2, np.int64))
+            source.send(np.zeros(2, np.int64), ids)
+            _, env_step, _, _ = source.recv()
             ends += [(i, t) for i in np.flatnonzero(env_step.truncated)]
         # Each worker cuts its first episode where the same wrapper in-process does.
         assert sorted(ends) == [(i, env.first_episode_length) for i, env in enumerate(cuts)]

@@ -1,0 +1,81 @@
+"""EnvPool task ids as an env source (`vectorization="envpool"`, extra `envpool`).
+
+One pool of `num_groups x group_size` envs with `batch_size=group_size` steps in EnvPool's
+C++ threads, outside the GIL. `recv` returns whichever `group_size` envs finished first,
+from any group, with their `env_id`; `send` hands their actions back. One inferencer
+thread per inference device drives the pool, running inference for one batch while the
+others step (seed 000's alternation), and assembles each group's trajectory by env id.
+
+EnvPool's semantics, as sebulba needs them: gymnasium's (obs, reward, terminated,
+truncated, info); after a step that ends an episode, the next `send` for that env is
+ignored and its `recv` is the reset observation with reward 0 (NEXT_STEP autoreset, as
+our gymnasium vector envs do). Episode returns are summed from the reward `recv` gives;
+EnvPool's own `reward_clip` is off by default, so they are the raw rewards (an agent
+clips rewards for learning itself, as IMPALA's `reward_clip` does).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sebulba.envs import EpisodeTracker
+from sebulba.types import EnvStep
+
+
+def _envpool():
+    try:
+        import envpool
+    except ImportError:
+        raise ValueError(
+            "vectorization 'envpool' needs the envpool package: pip install 'sebulba[envpool]'"
+        ) from None
+    return envpool
+
+
+def check_task_id(task_id: str) -> None:
+    """ValueError naming the id unless EnvPool has it."""
+    known = _envpool().list_all_envs()
+    if task_id not in known:
+        close = difflib.get_close_matches(task_id, known, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"{task_id!r} is not an EnvPool task id{hint}; "
+                         "envpool.list_all_envs() lists them")
+
+
+def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,
+              env_kwargs: Mapping[str, Any] | None = None):
+    check_task_id(task_id)
+    return _envpool().make(task_id, env_type="gymnasium", num_envs=num_envs,
+                           batch_size=batch_size, seed=seed, **dict(env_kwargs or {}))
+
+
+class EnvPoolSource:
+    """`num_groups` groups of `group_size` envs in one asynchronous EnvPool."""
+
+    def __init__(self, task_id: str, num_groups: int, group_size: int, seed: int,
+                 env_kwargs: Mapping[str, Any] | None = None):
+        self.num_groups, self.group_size = num_groups, group_size
+        self.num_envs = num_groups * group_size
+        self.pool = make_pool(task_id, self.num_envs, group_size, seed, env_kwargs)
+        self._tracker = EpisodeTracker(self.num_envs, self.pool.observation_space)
+        self._action_dtype = self.pool.action_space.dtype
+
+    def reset(self, seed: int) -> None:
+        del seed  # the pool was seeded when made; env i gets seed + i
+        self.pool.async_reset()
+
+    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
+        obs, reward, terminated, truncated, info = self.pool.recv()
+        ids = np.asarray(info["env_id"], np.int64)
+        return (ids, *self._tracker.observe(ids, obs, reward, terminated, truncated))
+
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
+        self.pool.send(np.asarray(actions, self._action_dtype), ids.astype(np.int32))
+        self._tracker.sent(ids)
+
+    def close(self) -> None:
+        self.pool.close()

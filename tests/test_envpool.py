@@ -1,0 +1,150 @@
+"""EnvPool as an env source: one pool of async_factor groups per inference device, recv
+returning whichever envs are ready, and each env's steps assembled into its own row."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sebulba
+from agents.ppo import PPO
+from agents.spg import SPG, SPGConfig
+
+pytest.importorskip("envpool", reason="vectorization 'envpool' needs the envpool extra")
+
+T, E, EPISODE_LIMIT = 6, 4, 20
+KWARGS = {"max_episode_steps": EPISODE_LIMIT}
+
+
+class Tagged(NamedTuple):
+    count: jax.Array  # [E] actions taken by each env
+    env: jax.Array  # [E] the env's index in its process
+
+
+class Log(NamedTuple):
+    env: jax.Array  # [C, rows, T] env index each step was recorded for
+    count: jax.Array  # [C, rows, T] that env's action count at the step
+    initial: jax.Array  # [C, rows] count in the initial StepState
+    final: jax.Array  # [C, rows] count in the final StepState
+    obs: jax.Array  # [C, rows, T + 1, 4]
+    terminated: jax.Array  # [C, rows, T + 1]
+    truncated: jax.Array  # [C, rows, T + 1]
+    size: jax.Array
+
+
+class TaggingAgent(sebulba.Agent):
+    """Records in each step which env it acted for and that env's action count."""
+
+    capacity = 64
+
+    def new_networks(self, key):
+        return {"w": jnp.ones(())}
+
+    def new_step_state(self, nets, key, num_envs):
+        return Tagged(jnp.zeros(num_envs, jnp.int32), jnp.arange(num_envs, dtype=jnp.int32))
+
+    def new_opt_state(self, nets, key):
+        return ()
+
+    def new_experience_state(self, nets, key, layout):
+        c, rows = self.capacity, layout.envs_per_learner_shard
+        return Log(*(jnp.zeros((c, rows, T), jnp.int32) for _ in range(2)),
+                   *(jnp.zeros((c, rows), jnp.int32) for _ in range(2)),
+                   jnp.zeros((c, rows, T + 1, 4)), *(jnp.zeros((c, rows, T + 1), bool)
+                                                     for _ in range(2)),
+                   jnp.zeros((), jnp.int32))
+
+    def step(self, step_state, nets, env_step):
+        # Even envs push one way (the pole falls: terminated), odd ones alternate (they
+        # last until the episode limit: truncated).
+        alternate = (step_state.count + step_state.env) % 2
+        action = jnp.where(step_state.env % 2 == 0, 1, alternate)
+        extras = {"env": step_state.env, "count": step_state.count}
+        return (sebulba.ActorOutput(action.astype(jnp.int32), extras),
+                step_state._replace(count=step_state.count + 1))
+
+    def update_experience(self, experience, initial, final, trajectory, nets):
+        i = experience.size
+        steps, extras = trajectory.env_steps, trajectory.actor_outputs.extras
+
+        def put(buf, x):
+            return buf.at[i].set(x, mode="drop")
+
+        return Log(put(experience.env, extras["env"]), put(experience.count, extras["count"]),
+                   put(experience.initial, initial.count), put(experience.final, final.count),
+                   put(experience.obs, steps.obs), put(experience.terminated, steps.terminated),
+                   put(experience.truncated, steps.truncated), i + 1)
+
+    def loss(self, nets, opt, experience):
+        return jnp.square(nets["w"]), (experience, {})
+
+    def optimize_from_grads(self, nets, opt, grads):
+        return nets, opt
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("learner_devices", [[0], [1, 2]])
+def test_each_env_fills_its_own_row_in_order(learner_devices, no_leftovers):
+    config = sebulba.Config(env="CartPole-v1", env_kwargs=KWARGS, vectorization="envpool",
+                            envs_per_group=E, steps_per_cycle=T, async_factor=2,
+                            inference_devices=[0, 3], learner_devices=learner_devices)
+    agent = TaggingAgent(sebulba.env_spec("CartPole-v1", KWARGS, "envpool"))
+    result = sebulba.Sebulba(agent, config).run(4 * E * T * 12)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    log = jax.tree.map(np.asarray, result.learner_experience)
+    rows = E // len(learner_devices)
+    cycles_seen: dict[int, list] = {}
+    for shard in range(len(learner_devices)):
+        for k in range(int(log.size[shard])):
+            env = log.env[shard, k]  # [rows, T]
+            assert (env == env[:, :1]).all()  # a row is one env's steps
+            env = env[:, 0]
+            group = env[0] // E  # the rows are their group's envs, this shard's block
+            np.testing.assert_array_equal(env, group * E + shard * rows + np.arange(rows))
+            count = log.count[shard, k]  # ... in order, from the initial to the final state
+            np.testing.assert_array_equal(count, log.initial[shard, k][:, None] + np.arange(T))
+            np.testing.assert_array_equal(log.final[shard, k], log.initial[shard, k] + T)
+            for j, e in enumerate(env.tolist()):
+                cycles_seen.setdefault(e, []).append(
+                    (int(log.initial[shard, k, j]), log.obs[shard, k, j]))
+    assert sorted(cycles_seen) == list(range(4 * E))  # 2 devices x 2 groups x E envs
+    for cycles in cycles_seen.values():
+        cycles.sort(key=lambda c: c[0])
+        assert [c[0] for c in cycles] == [T * i for i in range(len(cycles))]
+        for (_, a), (_, b) in zip(cycles, cycles[1:], strict=False):
+            np.testing.assert_array_equal(a[T], b[0])  # consecutive cycles overlap by a step
+    # Truncation at the episode limit stays apart from the pole falling.
+    assert log.terminated.any() and log.truncated.any()
+    assert not (log.terminated & log.truncated).any()
+
+
+@pytest.mark.timeout(60)
+def test_bad_envpool_input_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'CartPol-v1' is not an EnvPool task id.*CartPole-v1"):
+        sebulba.env_spec("CartPol-v1", vectorization="envpool")
+    with pytest.raises(ValueError, match="desync_episodes"):
+        sebulba.Config(env="CartPole-v1", vectorization="envpool", desync_episodes=True)
+
+
+@pytest.mark.timeout(300)
+def test_spg_learns_cartpole_on_envpool(no_leftovers):
+    """SPG's CartPole test (tests/test_spg_learning.py) with the envs in an EnvPool."""
+    config = sebulba.Config(env="CartPole-v1", vectorization="envpool", envs_per_group=16,
+                            steps_per_cycle=64, async_factor=2, seed=0)
+    agent = SPG(sebulba.env_spec("CartPole-v1", vectorization="envpool"), SPGConfig())
+    result = sebulba.Sebulba(agent, config).run(400_000)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.mean_return(0.9, 1.0) >= 150
+
+
+@pytest.mark.timeout(300)
+def test_ppo_learns_cartpole_on_envpool(no_leftovers):
+    config = sebulba.Config(env="CartPole-v1", vectorization="envpool", envs_per_group=16,
+                            steps_per_cycle=32, async_factor=2, seed=0)
+    agent = PPO(sebulba.env_spec("CartPole-v1", vectorization="envpool"))
+    result = sebulba.Sebulba(agent, config).run(200_000)
+    assert result.mean_return(0.9, 1.0) >= 400
