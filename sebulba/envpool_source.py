@@ -56,6 +56,8 @@ def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,
 class EnvPoolSource:
     """`num_groups` groups of `group_size` envs in one asynchronous EnvPool."""
 
+    in_order = False  # recv returns whichever envs are ready
+
     def __init__(self, task_id: str, num_groups: int, group_size: int, seed: int,
                  env_kwargs: Mapping[str, Any] | None = None):
         self.num_groups, self.group_size = num_groups, group_size

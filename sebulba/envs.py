@@ -248,6 +248,7 @@ class VectorEnvSource:
     """
 
     num_groups = 1
+    in_order = True
 
     def __init__(self, vec: gym.vector.VectorEnv):
         self.vec = vec

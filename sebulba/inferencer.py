@@ -49,6 +49,7 @@ class EnvSource(Protocol):
     num_envs: int
     num_groups: int
     group_size: int
+    in_order: bool  # recv always returns every env, in id order (a vector env)
 
     def reset(self, seed: int) -> None: ...
     def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]: ...
@@ -216,7 +217,12 @@ class EnvGroupRunner:
         clock = StageClock()
         source.reset(seed=self.seed)
         version, nets = self.staging.latest()  # refreshed where a cycle starts
-        whole = source.num_groups == 1 and size == source.num_envs
+        # A vector env returns every env, in order, every step: the fast path.
+        whole = source.in_order
+        # Pipelining holds one batch back from the source: with one group nothing would
+        # be left stepping, and recv would wait forever.
+        pipelined = not whole and num_groups > 1
+        pending = None  # a batch whose actions are being computed, not yet sent
         while not self.stop.is_set():
             ids, env_step, ended, new_steps = source.recv()
             self.partial_steps += new_steps
@@ -259,14 +265,27 @@ class EnvGroupRunner:
                 output, step_state = self.acting.act(nets, self.state.step_state,
                                                      ids.astype(np.int32), env_step)
             self.state = self.state._replace(step_state=step_state)
-            action = np.asarray(output.action)
-            output = jax.tree.map(np.asarray, output)
-            clock.lap("inference")
-            self._record_outputs(open_cycles, ids, groups, cycle, cursor, output, whole)
-            cursor[ids] += 1
-            clock.lap("record")
-            source.send(action, ids)
-            clock.lap("env_step")
+            # An EnvPool source pipelines: while this batch's inference runs (JAX
+            # dispatches asynchronously), the previous batch's actions are fetched and
+            # sent. Its envs are not in this batch: they have not been sent yet.
+            if pending is not None:
+                self._finish(*pending, open_cycles, cycle, cursor, clock)
+            pending = (ids, groups, output)
+            if not pipelined:
+                self._finish(*pending, open_cycles, cycle, cursor, clock, whole)
+                pending = None
+
+    def _finish(self, ids, groups, output, open_cycles, cycle, cursor, clock: StageClock,
+                whole: bool = False) -> None:
+        """Fetches a batch's actions and extras, records them, and sends the actions."""
+        action = np.asarray(output.action)
+        output = jax.tree.map(np.asarray, output)
+        clock.lap("inference")
+        self._record_outputs(open_cycles, ids, groups, cycle, cursor, output, whole)
+        cursor[ids] += 1
+        clock.lap("record")
+        self.source.send(action, ids)
+        clock.lap("env_step")
 
     def _record_env_steps(self, open_cycles, ids, groups, cycle, cursor, env_step, mask,
                           version, oldest=None, whole=False) -> None:

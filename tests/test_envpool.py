@@ -87,10 +87,12 @@ class TaggingAgent(sebulba.Agent):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("learner_devices", [[0], [1, 2]])
-def test_each_env_fills_its_own_row_in_order(learner_devices, no_leftovers):
+@pytest.mark.parametrize("async_factor,learner_devices", [(2, [0]), (2, [1, 2]), (1, [1, 2])])
+def test_each_env_fills_its_own_row_in_order(async_factor, learner_devices, no_leftovers):
+    # async_factor 2: recv batches mix the two groups' envs and the thread pipelines one
+    # batch's inference with the other's env steps; 1: one group, no pipelining.
     config = sebulba.Config(env="CartPole-v1", env_kwargs=KWARGS, vectorization="envpool",
-                            envs_per_group=E, steps_per_cycle=T, async_factor=2,
+                            envs_per_group=E, steps_per_cycle=T, async_factor=async_factor,
                             inference_devices=[0, 3], learner_devices=learner_devices)
     agent = TaggingAgent(sebulba.env_spec("CartPole-v1", KWARGS, "envpool"))
     result = sebulba.Sebulba(agent, config).run(4 * E * T * 12)
@@ -111,7 +113,7 @@ def test_each_env_fills_its_own_row_in_order(learner_devices, no_leftovers):
             for j, e in enumerate(env.tolist()):
                 cycles_seen.setdefault(e, []).append(
                     (int(log.initial[shard, k, j]), log.obs[shard, k, j]))
-    assert sorted(cycles_seen) == list(range(4 * E))  # 2 devices x 2 groups x E envs
+    assert sorted(cycles_seen) == list(range(2 * async_factor * E))  # 2 devices' envs
     for cycles in cycles_seen.values():
         cycles.sort(key=lambda c: c[0])
         assert [c[0] for c in cycles] == [T * i for i in range(len(cycles))]
