@@ -44,6 +44,11 @@ from sebulba.channels import QueueItem, Staging
 from sebulba.types import Experience, Metrics, Nets, OptState, PyTree
 
 LEARNER_AXIS = sharding.LEARNER_AXIS
+# Optimizer steps dispatched before the learner waits for them. XLA:CPU with several
+# (simulated) devices hangs, then aborts on an all-reduce timeout, once about 37
+# collective programs are queued (JAX 0.10.2, measured on 2 cores); on accelerators the
+# wait costs one sync per this many steps.
+MAX_QUEUED_STEPS = 16
 
 
 def per_learner_device(
@@ -129,7 +134,9 @@ class Learner:
 
     Construction compiles nothing; `start` places a state on the learner devices (the
     compiled functions are reused by later runs). Metrics are fetched one update late,
-    so the host never waits for the device to finish the update it just dispatched.
+    so the host never waits for the device to finish the update it just dispatched; it
+    waits for the previous one before dispatching the next, and inside an update every
+    `MAX_QUEUED_STEPS` optimizer steps, so the devices never hold an unbounded queue.
     """
 
     def __init__(self, agent: Agent, devices: Sequence[jax.Device], *,
@@ -190,6 +197,9 @@ class Learner:
                 f"{self.trajectories_per_update} queue items, got {len(items)}")
         try:
             t0 = time.perf_counter()
+            # The previous update's metrics: it has had this update's host work to finish
+            # in, and waiting for it bounds the programs queued on the devices.
+            self._fetch_pending()
             if len(items) == 1:
                 item = items[0]
                 initial, final, trajectory = (
@@ -201,14 +211,15 @@ class Learner:
                 self.experience, initial, final, trajectory, self.nets)
             t1 = time.perf_counter()
             metrics = None
-            for _ in range(self.optims_per_update):
+            for i in range(1, self.optims_per_update + 1):
                 self.nets, self.opt, self.experience, metrics = self._optimize(
                     self.nets, self.opt, self.experience)
+                if i % MAX_QUEUED_STEPS == 0 and i < self.optims_per_update:
+                    jax.block_until_ready(metrics)
             self.optimizer_steps += self.optims_per_update
             self.updates += 1
             if metrics is not None:
                 self.publish()
-                self._fetch_pending()
                 self._pending = (self.updates, metrics)
             t2 = time.perf_counter()
         except jax.errors.JaxRuntimeError as e:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ from tests.counting_agent import CountingAgent, CountingStepState
 from tests.envs import CountingEnv
 
 COUNTING = functools.partial(CountingEnv, 5)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def counting_loop(agent_cls=CountingAgent, **config):
@@ -160,3 +164,51 @@ def test_combine_partitions_takes_none_leaves_and_subtrees_from_the_other_part()
     assert float(leafwise["a"][0]) == 1.0 and float(leafwise["b"][0]) == 0.0
     with pytest.raises(ValueError, match="both partitions hold a value"):
         sebulba.combine_partitions({"a": jnp.ones(1)}, {"a": jnp.ones(1)})
+
+
+class ManySteps(CountingAgent):
+    """64 optimizer steps per update, each a conditional with collectives inside."""
+
+    def num_off_policy_optims_per_cycle(self):
+        return 64
+
+    def ready_to_learn(self, experience):
+        return experience.size >= 0
+
+    def new_networks(self, key):
+        return {"w": jnp.full((128, 128), 0.01)}
+
+    def step(self, step_state, nets, env_step):
+        return super().step(step_state, {"w": nets["w"][0, 0]}, env_step)
+
+    def loss(self, nets, opt, experience):
+        # Big enough that the device runs behind the host's dispatching.
+        x = jnp.ones((512, 128))
+        return jnp.mean(jnp.tanh(x @ nets["w"] @ nets["w"]) ** 2), (experience, {})
+
+
+MANY_STEPS_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import functools, sebulba
+from tests.envs import CountingEnv
+from tests.test_learner import ManySteps
+env = functools.partial(CountingEnv, 5)
+cfg = sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=3, learner_devices=[0, 1])
+result = sebulba.Sebulba(ManySteps(sebulba.env_spec(env)), cfg).run(6 * 4 * 3)
+print("optimizer steps", result.optimizer_steps, float(result.state.nets["w"][0, 0]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_many_optimizer_steps_per_update_across_devices_do_not_hang():
+    # With exactly 2 simulated devices (the notebooks' setting), XLA:CPU hangs, then
+    # aborts on an all-reduce timeout, once ~37 programs with collectives inside a
+    # conditional are queued. The learner bounds its queue (MAX_QUEUED_STEPS), so 64
+    # such steps per update run through. A subprocess: the suite's JAX has 4 devices.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", MANY_STEPS_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps, w = done.stdout.split()[-2:]
+    assert int(steps) == 6 * 64 and float(w) < 0.01  # the steps ran
