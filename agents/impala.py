@@ -18,7 +18,6 @@ bottom: config, state, acting, experience, loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ import sebulba
 from agents.common import networks, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
-from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
+from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 OPTIMIZERS = ("adam", "rmsprop")
 
@@ -102,12 +101,7 @@ class IMPALAConfig:
                 f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
 
 
-class IMPALAExperience(NamedTuple):
-    trajectory: Trajectory  # the latest update's shard, leaves [K x E / L, T(+1), ...]
-    core: networks.CoreState  # leaves [K x E / L, ...], the core state before the first step
-
-
-class IMPALA(sebulba.Agent):
+class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     """IMPALA with V-trace for Discrete action spaces; observations are flattened."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
@@ -124,50 +118,28 @@ class IMPALA(sebulba.Agent):
 
     # State.
 
-    def new_networks(self, key: jax.Array) -> Nets:
-        return networks.init(self.network, key, self.env_spec.observation_space)
-
-    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> policy.StepState:
-        return policy.new_step_state(self.network, key, num_envs)
-
     def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
 
-    def new_experience_state(
-        self, nets: Nets, key: jax.Array, layout: sebulba.Layout
-    ) -> IMPALAExperience:
-        # Shaped exactly like what update_experience returns (its buffers are donated).
-        num_envs = layout.envs_per_update_shard  # K trajectories x E / L envs
-        zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
-        return IMPALAExperience(zeros, self.network.initial_state(num_envs))
-
-    # Acting: one step of the unroll (T = 1); the LSTM resets where `first` is set.
-
-    def step(self, step_state: policy.StepState, nets: Nets,
-             env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
-        return policy.act(self.network, nets, step_state, env_step)
-
-    def greedy_step(self, step_state: policy.StepState, nets: Nets,
-                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
-        return policy.act(self.network, nets, step_state, env_step, greedy=True)
-
-    # Experience: the latest trajectory shard and the core state it started from.
+    def new_experience_state(self, nets: Nets, key: jax.Array,
+                             layout: sebulba.Layout) -> policy.LatestTrajectory:
+        return policy.zeros_latest_trajectory(self, nets, layout)
 
     def update_experience(
         self,
-        experience: IMPALAExperience,
+        experience: policy.LatestTrajectory,
         initial_step_state: policy.StepState,
         final_step_state: policy.StepState,
         trajectory: Trajectory,
         nets: Nets,
-    ) -> IMPALAExperience:
-        return IMPALAExperience(trajectory, initial_step_state.core)
+    ) -> policy.LatestTrajectory:
+        return policy.latest_trajectory(initial_step_state, trajectory)
 
     # Learning: one V-trace actor-critic step per trajectory.
 
     def loss(
-        self, nets: Nets, opt: OptState, experience: IMPALAExperience
-    ) -> tuple[jax.Array, tuple[IMPALAExperience, Metrics]]:
+        self, nets: Nets, opt: OptState, experience: policy.LatestTrajectory
+    ) -> tuple[jax.Array, tuple[policy.LatestTrajectory, Metrics]]:
         cfg = self.config
         steps, outputs = experience.trajectory.env_steps, experience.trajectory.actor_outputs
         # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.

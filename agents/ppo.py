@@ -31,7 +31,7 @@ import sebulba
 from agents.common import networks, policy
 from agents.common.returns import action_mask, gae_advantages
 from sebulba.experience import segments
-from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
+from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ class PPOExperience(NamedTuple):
     key: jax.Array  # typed PRNG key for the next trajectory's minibatches
 
 
-class PPO(sebulba.Agent):
+class PPO(policy.ActorCriticActing, sebulba.Agent):
     """PPO-clip for Discrete action spaces, feed-forward or LSTM; observations are flattened."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: PPOConfig = PPOConfig()):
@@ -147,13 +147,10 @@ class PPO(sebulba.Agent):
             optax.adam(config.learning_rate, eps=config.adam_eps),
         )
 
-    # State.
+    # State (networks, StepState and acting come from `policy.ActorCriticActing`; the
+    # actor records its core state every step, where a segment starting there starts).
 
-    def new_networks(self, key: jax.Array) -> Nets:
-        return networks.init(self.network, key, self.env_spec.observation_space)
-
-    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> policy.StepState:
-        return policy.new_step_state(self.network, key, num_envs)
+    record_core = True
 
     def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
@@ -179,17 +176,6 @@ class PPO(sebulba.Agent):
         return segments.segment_layout(
             num_envs, steps_per_cycle, cfg.bptt_horizon, cfg.num_minibatches,
             num_shards or 1, cfg.num_segments if num_shards else 0)
-
-    # Acting.
-
-    def step(self, step_state: policy.StepState, nets: Nets,
-             env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
-        return policy.act(self.network, nets, step_state, env_step, record_core=True)
-
-    def greedy_step(self, step_state: policy.StepState, nets: Nets,
-                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
-        return policy.act(self.network, nets, step_state, env_step, greedy=True,
-                          record_core=True)
 
     # Experience: one update's trajectory shard, cut into segments, with each step's
     # minibatch.

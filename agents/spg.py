@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import optax
@@ -19,7 +18,7 @@ import optax
 import sebulba
 from agents.common import networks, policy
 from agents.common.returns import action_mask, bootstrapped_returns
-from sebulba.types import EnvStep, Metrics, Nets, OptState, PyTree, Trajectory
+from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +46,7 @@ class SPGConfig:
     lstm_size: int = 0
 
 
-class SPGExperience(NamedTuple):
-    trajectory: Trajectory  # the latest update's shard, leaves [K x E / L, T(+1), ...]
-    core: PyTree  # leaves [K x E / L, ...], the actor's core state before the first step
-
-
-class SPG(sebulba.Agent):
+class SPG(policy.ActorCriticActing, sebulba.Agent):
     """REINFORCE with a baseline for Discrete action spaces, feed-forward or LSTM."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: SPGConfig = SPGConfig()):
@@ -68,43 +62,27 @@ class SPG(sebulba.Agent):
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
         )
 
-    def new_networks(self, key: jax.Array) -> Nets:
-        return networks.init(self.network, key, self.env_spec.observation_space)
-
-    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> policy.StepState:
-        return policy.new_step_state(self.network, key, num_envs)
-
     def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:
         return self.optimizer.init(nets)
 
     def new_experience_state(self, nets: Nets, key: jax.Array,
-                             layout: sebulba.Layout) -> SPGExperience:
-        num_envs = layout.envs_per_update_shard  # K trajectories x E / L envs
-        zeros = sebulba.zeros_trajectory(self, nets, num_envs, layout.steps_per_cycle)
-        return SPGExperience(zeros, self.network.initial_state(num_envs))
-
-    def step(self, step_state: policy.StepState, nets: Nets,
-             env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
-        return policy.act(self.network, nets, step_state, env_step)
-
-    def greedy_step(self, step_state: policy.StepState, nets: Nets,
-                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, policy.StepState]:
-        return policy.act(self.network, nets, step_state, env_step, greedy=True)
+                             layout: sebulba.Layout) -> policy.LatestTrajectory:
+        return policy.zeros_latest_trajectory(self, nets, layout)
 
     def update_experience(
         self,
-        experience: SPGExperience,
+        experience: policy.LatestTrajectory,
         initial_step_state: policy.StepState,
         final_step_state: policy.StepState,
         trajectory: Trajectory,
         nets: Nets,
-    ) -> SPGExperience:
+    ) -> policy.LatestTrajectory:
         # On-policy: learn from the latest trajectory only, unrolled from the actor's state.
-        return SPGExperience(trajectory, initial_step_state.core)
+        return policy.latest_trajectory(initial_step_state, trajectory)
 
     def loss(
-        self, nets: Nets, opt: OptState, experience: SPGExperience
-    ) -> tuple[jax.Array, tuple[SPGExperience, Metrics]]:
+        self, nets: Nets, opt: OptState, experience: policy.LatestTrajectory
+    ) -> tuple[jax.Array, tuple[policy.LatestTrajectory, Metrics]]:
         cfg = self.config
         steps = experience.trajectory.env_steps
         actions = experience.trajectory.actor_outputs.action

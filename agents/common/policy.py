@@ -79,3 +79,56 @@ def act(network: networks.Unroll, params: networks.Params, step_state: StepState
     if record_core:
         extras["core"] = step_state.core
     return sebulba.ActorOutput(action=action, extras=extras), StepState(key, core)
+
+
+class ActorCriticActing:
+    """The acting hooks of an agent whose `self.network` is an `Unroll` with a
+    `PolicyValueHead` (SPG, PPO, IMPALA): networks, StepState, sampled and greedy steps.
+
+    Mix it in before `sebulba.Agent`. `record_core` = True makes the actor record the core
+    state each step acts from (where a training segment starting there starts from).
+    """
+
+    network: networks.Unroll
+    env_spec: sebulba.EnvSpec
+    record_core: bool = False
+
+    def new_networks(self, key: jax.Array) -> networks.Params:
+        return networks.init(self.network, key, self.env_spec.observation_space)
+
+    def new_step_state(self, nets: networks.Params, key: jax.Array,
+                       num_envs: int) -> StepState:
+        return new_step_state(self.network, key, num_envs)
+
+    def step(self, step_state: StepState, nets: networks.Params,
+             env_step: sebulba.EnvStep) -> tuple[sebulba.ActorOutput, StepState]:
+        return act(self.network, nets, step_state, env_step, record_core=self.record_core)
+
+    def greedy_step(self, step_state: StepState, nets: networks.Params,
+                    env_step: sebulba.EnvStep) -> tuple[sebulba.ActorOutput, StepState]:
+        return act(self.network, nets, step_state, env_step, greedy=True,
+                   record_core=self.record_core)
+
+
+class LatestTrajectory(NamedTuple):
+    """On-policy experience: the latest update's trajectory shard (leaves [K x E / L,
+    T(+1), ...]) and the core state [K x E / L, ...] the actors had before its first step,
+    which the learner unrolls from."""
+
+    trajectory: sebulba.Trajectory
+    core: networks.CoreState
+
+
+def zeros_latest_trajectory(agent: ActorCriticActing, nets: networks.Params,
+                            layout: sebulba.Layout) -> LatestTrajectory:
+    """A placeholder shaped exactly like what `latest_trajectory` returns (the learner
+    donates the experience's buffers, so the shapes must not change)."""
+    num_envs = layout.envs_per_update_shard  # K trajectories x E / L envs
+    zeros = sebulba.zeros_trajectory(agent, nets, num_envs, layout.steps_per_cycle)
+    return LatestTrajectory(zeros, agent.network.initial_state(num_envs))
+
+
+def latest_trajectory(initial_step_state: StepState,
+                      trajectory: sebulba.Trajectory) -> LatestTrajectory:
+    """`update_experience` of an on-policy agent that learns from each update's shard."""
+    return LatestTrajectory(trajectory, initial_step_state.core)
