@@ -147,16 +147,38 @@ def test_console_script_without_a_checkout_says_how_to_get_one(tmp_path, monkeyp
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("vectorization", ["sync", "vector_entry_point"])
-def test_atari_ids_train_through_ale_py(vectorization):
-    # sync: raw RGB frames through an MLP; vector_entry_point: ale-py's AtariVectorEnv,
-    # 84 x 84 grayscale stacks of 4 through the Nature CNN.
+def test_atari_ids_train_through_ale_py(vectorization, tmp_path):
+    # sync: gymnasium's RGB frames (210, 160, 3); vector_entry_point: ale-py's
+    # AtariVectorEnv, 84 x 84 grayscale stacks of 4 (channels first). Both go through the
+    # Nature CNN, and the checkpoint shows the frames reached it: its first convolution
+    # moved, and two different frames give different action probabilities.
+    import jax
+    import numpy as np
+
+    import sebulba
+    from agents.common import networks
+    from examples.evaluate import eval_vectorization, load_policy
+
+    logdir = str(tmp_path / "pong")
     result = run("examples.train", "--agent=spg", "--env=ALE/Pong-v5",
-                 f"--vectorization={vectorization}",
+                 f"--vectorization={vectorization}", f"--logdir={logdir}",
                  "--envs_per_group=2", "--steps_per_cycle=4",
                  "--async_factor=1", "--total_env_steps=24", "--spg_hidden_sizes=16",
                  "--progress=false")
     assert result.returncode == 0, result.stderr[-3000:]
     assert last_json(result.stdout)["consumed"] >= 24
+    agent, nets, meta = load_policy(logdir)
+    config = sebulba.Config(env="ALE/Pong-v5", vectorization=eval_vectorization(meta),
+                            envs_per_group=2, async_factor=1, steps_per_cycle=4)
+    initial = sebulba.Sebulba(agent, config).initial_state().nets  # the launcher's seed 0
+    kernel = nets["params"]["torso"]["Conv_0"]["kernel"]
+    assert np.abs(kernel - initial["params"]["torso"]["Conv_0"]["kernel"]).max() > 0
+    space = agent.env_spec.observation_space
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (2,) + space.shape).astype(np.uint8)
+    _, out = networks.act(agent.network, nets, (), jax.numpy.asarray(frames),
+                          np.ones(2, bool))
+    assert not np.allclose(out.logits[0], out.logits[1], atol=1e-6)
 
 
 @pytest.mark.timeout(240)
