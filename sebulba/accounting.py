@@ -19,9 +19,20 @@ import numpy as np
 
 from sebulba.types import AgentState
 
+# Per-episode and per-trajectory records kept, the most recent ones: a run of days would
+# otherwise grow them by one entry per episode and per trajectory. Totals, sums and maxima
+# are kept over the whole run.
+EPISODE_WINDOW = 100_000
+LAG_WINDOW = 100_000
+
 
 class Accounting:
-    """Thread-safe counters shared by the inferencer threads and the learner."""
+    """Thread-safe counters shared by the inferencer threads and the learner.
+
+    Memory is bounded: `episodes` and `policy_lags` hold the most recent
+    `EPISODE_WINDOW` / `LAG_WINDOW` records; `episodes_total`, `lag_sum` and `lag_max`
+    cover the whole run.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -30,8 +41,13 @@ class Accounting:
         self.dropped = 0
         self.trajectories_consumed = 0
         self.trajectories_dropped = 0
-        self.episodes: list[tuple[int, float, int]] = []  # (env_steps at end, return, length)
-        self.policy_lags: list[int] = []
+        # (env_steps at its end, return, length) of the most recent episodes
+        self.episodes: collections.deque[tuple[int, float, int]] = collections.deque(
+            maxlen=EPISODE_WINDOW)
+        self.episodes_total = 0
+        self.policy_lags: collections.deque[int] = collections.deque(maxlen=LAG_WINDOW)
+        self.lag_sum = 0
+        self.lag_max = 0
         self.stage_seconds: dict[str, float] = collections.defaultdict(float)
 
     def add_env_steps(self, n: int, ended: list[tuple[float, int]]) -> None:
@@ -39,12 +55,15 @@ class Accounting:
             self.env_steps += n
             for ret, length in ended:
                 self.episodes.append((self.env_steps, ret, length))
+            self.episodes_total += len(ended)
 
     def add_consumed(self, n: int, policy_lag: int) -> None:
         with self._lock:
             self.consumed += n
             self.trajectories_consumed += 1
             self.policy_lags.append(policy_lag)
+            self.lag_sum += policy_lag
+            self.lag_max = max(self.lag_max, policy_lag)
 
     def add_dropped(self, n: int) -> None:
         with self._lock:
@@ -54,6 +73,18 @@ class Accounting:
     def add_time(self, stage: str, seconds: float) -> None:
         with self._lock:
             self.stage_seconds[stage] += seconds
+
+    def recent_episodes(self, since_total: int) -> list[tuple[int, float, int]]:
+        """The episodes that ended after the first `since_total` of the run (at most the
+        window), copied under the lock (the inferencers append meanwhile)."""
+        with self._lock:
+            new = min(self.episodes_total - since_total, len(self.episodes))
+            return list(self.episodes)[len(self.episodes) - new:] if new > 0 else []
+
+    def snapshot(self) -> tuple[list[tuple[int, float, int]], list[int]]:
+        """(episodes, policy lags) of the windows, copied under the lock."""
+        with self._lock:
+            return list(self.episodes), list(self.policy_lags)
 
 
 class StageClock:
@@ -83,8 +114,10 @@ class RunResult:
       consumed / dropped / in_flight: where those steps went (see module docstring).
         All of these are this process's; `global_consumed` is the run's.
       wall_seconds: from the first env step to the end of the run.
-      episodes: (env_steps when it ended, return, length) of each completed episode.
-      policy_lags: per consumed trajectory, in learner updates: the learner's updates
+      episodes: (env_steps when it ended, return, length) of the completed episodes, the
+        most recent `EPISODE_WINDOW` of them (`episodes_total` counts all).
+      policy_lags: per consumed trajectory (the most recent `LAG_WINDOW`), in learner
+        updates: the learner's updates
         when it consumed the trajectory minus its updates when it published the networks
         that acted (0: the freshest networks possible).
       stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
@@ -110,6 +143,10 @@ class RunResult:
     learner_updates: int
     metrics: dict[str, float]
     optimizer_steps: int = 0
+    episodes_total: int = 0
+    lag_count: int = 0  # trajectories consumed: the policy lags' count, sum and maximum
+    lag_sum: int = 0
+    lag_max: int = 0
     num_processes: int = 1
     state: AgentState | None = None
     learner_experience: Any = None
@@ -128,14 +165,17 @@ class RunResult:
         return self.consumed / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     def mean_return(self, start_frac: float = 0.0, end_frac: float = 1.0) -> float:
-        """Mean return of episodes that ended within [start, end) of the env steps."""
+        """Mean return of episodes that ended within [start, end) of the env steps (of
+        those in the window: the last `EPISODE_WINDOW` episodes)."""
         lo, hi = start_frac * self.env_steps, end_frac * self.env_steps
         rets = [r for s, r, _ in self.episodes if lo <= s < hi or (end_frac == 1 and s == hi)]
         return float(np.mean(rets)) if rets else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         """Plain figures (no arrays), ready for json.dumps."""
-        lags = np.asarray(self.policy_lags or [0])
+        lag_count = max(self.lag_count, len(self.policy_lags))
+        lag_sum = self.lag_sum if self.lag_count else sum(self.policy_lags)
+        lag_max = self.lag_max if self.lag_count else max(self.policy_lags, default=0)
         return {
             "env_steps": self.env_steps,
             "consumed": self.consumed,
@@ -145,10 +185,10 @@ class RunResult:
             "in_flight": self.in_flight,
             "wall_seconds": round(self.wall_seconds, 3),
             "steps_per_second": round(self.steps_per_second, 1),
-            "episodes": len(self.episodes),
+            "episodes": max(self.episodes_total, len(self.episodes)),
             "mean_return_last_10pct": self.mean_return(0.9, 1.0),
-            "policy_lag_mean": float(lags.mean()),
-            "policy_lag_max": int(lags.max()),
+            "policy_lag_mean": lag_sum / max(lag_count, 1),
+            "policy_lag_max": lag_max,
             "learner_updates": self.learner_updates,
             "optimizer_steps": self.optimizer_steps,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},

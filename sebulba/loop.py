@@ -205,6 +205,7 @@ class Sebulba:
                 in_flight += trajectories.get_nowait().num_env_steps
             except queue.Empty:
                 break
+        episodes, policy_lags = accounting.snapshot()
         final_state = AgentState(
             nets=sharding.first_replica(learner.nets),
             opt=sharding.first_replica(learner.opt),
@@ -217,8 +218,12 @@ class Sebulba:
             dropped=accounting.dropped,
             in_flight=in_flight,
             wall_seconds=wall,
-            episodes=accounting.episodes,
-            policy_lags=accounting.policy_lags,
+            episodes=episodes,
+            policy_lags=policy_lags,
+            episodes_total=accounting.episodes_total,
+            lag_count=accounting.trajectories_consumed,
+            lag_sum=accounting.lag_sum,
+            lag_max=accounting.lag_max,
             stage_seconds=dict(accounting.stage_seconds),
             learner_updates=learner.updates,
             optimizer_steps=learner.optimizer_steps,

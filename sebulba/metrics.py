@@ -123,9 +123,8 @@ class Reporter:
         now = time.monotonic()
         if now - self._last_write < self.every_seconds:
             return
-        episodes = info.accounting.episodes
-        recent = [r for _, r, _ in episodes[self._episodes_seen:]]
-        self._episodes_seen = len(episodes)
+        recent = [r for _, r, _ in info.accounting.recent_episodes(self._episodes_seen)]
+        self._episodes_seen = info.accounting.episodes_total
         sps = (step - self._last_steps) / (now - self._last_write)
         self._last_write, self._last_steps = now, step
         scalars = {f"learner/{k}": v for k, v in info.metrics.items()}

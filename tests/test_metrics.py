@@ -58,3 +58,20 @@ def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
     assert [r["learner/version"] for r in rows] == list(range(1, 31))
     assert any(r.get("episode/return") == 5.0 for r in rows)
     assert all(r["throughput/consumed_steps_per_second"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(60)
+def test_accounting_keeps_bounded_records_and_whole_run_totals():
+    from sebulba.accounting import EPISODE_WINDOW, LAG_WINDOW, Accounting
+
+    acc = Accounting()
+    n = 250_000  # a long run: more episodes and trajectories than the windows hold
+    for i in range(n // 100):
+        acc.add_env_steps(100, [(float(i * 100 + j), 1) for j in range(100)])
+        acc.add_consumed(100, policy_lag=i % 7)
+    assert len(acc.episodes) == EPISODE_WINDOW and acc.episodes_total == n
+    assert acc.episodes[-1] == (n, float(n - 1), 1)  # the most recent are the ones kept
+    assert acc.recent_episodes(n - 3) == list(acc.episodes)[-3:]
+    assert len(acc.recent_episodes(0)) == EPISODE_WINDOW  # at most the window
+    assert len(acc.policy_lags) == min(LAG_WINDOW, n // 100)
+    assert acc.lag_max == 6 and acc.lag_sum == sum(i % 7 for i in range(n // 100))
