@@ -129,6 +129,18 @@ def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experien
     return nets, opt, experience, {**metrics, "learning": ready.astype(jnp.float32)}
 
 
+def _acting_nets_and_finite(agent: Agent) -> Callable:
+    """`agent.acting_nets`, with a [leaves] bool vector: which of its leaves are finite."""
+
+    def fn(nets, updates):
+        acting = agent.acting_nets(nets, updates)
+        flags = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                 else jnp.array(True) for x in jax.tree.leaves(acting)]
+        return acting, jnp.stack(flags) if flags else jnp.ones((0,), bool)
+
+    return fn
+
+
 class Learner:
     """Owns the learner state of a run and runs learner updates on it.
 
@@ -160,7 +172,7 @@ class Learner:
         self._optimize = per_learner_device(
             lambda n, o, e: optimizer_step(agent, n, o, e), self.devices,
             donate_argnums=(0, 1, 2))
-        self._acting_nets = jax.jit(agent.acting_nets)
+        self._acting_nets = jax.jit(_acting_nets_and_finite(agent))
         self.start(None, None, None)
 
     def start(self, nets: Nets | None, opt: OptState | None, experience: PyTree | None, *,
@@ -182,7 +194,8 @@ class Learner:
     def publish(self) -> None:
         """Sends `acting_nets(nets, updates)` of the first local replica to every staging."""
         single = sharding.first_replica(self.nets)
-        self.published = self._acting_nets(single, jnp.asarray(self.updates, jnp.int32))
+        self.published, self._published_finite = self._acting_nets(
+            single, jnp.asarray(self.updates, jnp.int32))
         for staging in self.stagings:
             staging.publish(self.updates, self.published)
 
@@ -220,7 +233,7 @@ class Learner:
             self.updates += 1
             if metrics is not None:
                 self.publish()
-                self._pending = (self.updates, metrics)
+                self._pending = (self.updates, metrics, self._published_finite)
             t2 = time.perf_counter()
         except jax.errors.JaxRuntimeError as e:
             if self.num_processes > 1:
@@ -238,11 +251,20 @@ class Learner:
     def _fetch_pending(self) -> None:
         if self._pending is None:
             return
-        updates, metrics = self._pending
+        updates, metrics, finite = self._pending
         self._pending = None
         values = {k: float(np.asarray(v.addressable_shards[0].data)[0])
                   for k, v in metrics.items()}
         if self.check_finite and not np.isfinite(values.get("loss", 0.0)):
             raise FloatingPointError(
                 f"the learner's loss is {values['loss']} after update {updates}; metrics: {values}")
+        if self.check_finite and not np.all(finite := np.asarray(finite)):
+            # NaN can reach the acting networks without showing in the loss (a loss that
+            # does not read them, an optimizer step that overflows after it).
+            paths = [jax.tree_util.keystr(p) for p, _ in
+                     jax.tree_util.tree_flatten_with_path(self.published)[0]]
+            bad = [p for p, ok in zip(paths, finite, strict=True) if not ok]
+            raise FloatingPointError(
+                f"the networks published after update {updates} hold NaN or inf, first in "
+                f"{bad[0]} ({len(bad)} of {len(paths)} leaves); metrics: {values}")
         self.metrics = values

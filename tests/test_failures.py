@@ -61,6 +61,27 @@ def test_nan_loss_stops_the_run(no_leftovers):
         make_loop(NaNLoss).run(10**9)
 
 
+class NaNOnlyInActingNets(CountingAgent):
+    """The loss reads only w; the optimizer step writes NaN into b, which acting reads."""
+
+    def new_networks(self, key):
+        return {"w": jnp.ones(()), "b": jnp.zeros(())}
+
+    def loss(self, nets, opt, experience):
+        return jnp.square(nets["w"]), (experience, {})
+
+    def optimize_from_grads(self, nets, opt, grads):
+        return {"w": nets["w"] - 0.01 * grads["w"], "b": nets["b"] + jnp.nan}, opt
+
+
+@pytest.mark.timeout(60)
+def test_nan_in_the_published_networks_stops_the_run(no_leftovers):
+    with pytest.raises(FloatingPointError,
+                       match=r"networks published after update 1 hold NaN or inf, first in "
+                             r"\['b'\] \(1 of 2 leaves\)"):
+        make_loop(NaNOnlyInActingNets).run(10**9)
+
+
 class UpdateRaises(CountingAgent):
     def update_experience(self, *args):
         raise KeyError("bad update_experience")
