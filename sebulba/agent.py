@@ -181,7 +181,12 @@ class Agent(abc.ABC):
     def loss(
         self, nets: Nets, opt: OptState, experience: Experience
     ) -> tuple[jax.Array, tuple[Experience, Metrics]]:
-        """Scalar loss to differentiate, with the updated experience and scalar metrics."""
+        """Scalar loss to differentiate, with the updated experience and scalar metrics.
+
+        Runs on each learner device on its own experience; every device starts from the
+        same experience and key, so an agent that samples folds in the device's index,
+        `jax.lax.axis_index(sebulba.sharding.LEARNER_AXIS)`, to draw its own batch.
+        """
 
     @abc.abstractmethod
     def optimize_from_grads(
