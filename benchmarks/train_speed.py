@@ -17,6 +17,10 @@ Records (JSON lines): meta; one train record per (agent, env, async_factor) and 
 
     python -m benchmarks.train_speed
     python -m benchmarks.train_speed --envs=pong --agents=ppo --async_factors=2
+    python -m benchmarks.train_speed --envs=pong,pong_envpool --agents=impala --async_factors=2
+
+"pong_envpool" is EnvPool's `Pong-v5` (extra `envpool`): the same 84 x 84 stacks of 4,
+one pool of async_factor groups per inference device driven by one thread.
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ def build_loop(args: argparse.Namespace, agent_name: str, env: str, async_factor
     if env == "cartpole":
         env_id, vectorization, envs = "CartPole-v1", "sync", args.cartpole_envs
         agent_cfg = entry.config_class()
-    elif env == "pong":
+    elif env in ("pong", "pong_envpool"):
         env_id, vectorization, envs = PONG_ID, "vector_entry_point", args.pong_envs
+        if env == "pong_envpool":  # EnvPool's Pong: the same preprocessing, C++ threads
+            env_id, vectorization = "Pong-v5", "envpool"
         agent_cfg = entry.config_class()
         if agent_name == "ppo":
             agent_cfg = dataclasses.replace(agent_cfg, num_epochs=args.pong_ppo_epochs,
@@ -72,7 +78,7 @@ def build_loop(args: argparse.Namespace, agent_name: str, env: str, async_factor
         elif agent_name == "impala":
             agent_cfg = dataclasses.replace(agent_cfg, reward_clip=1.0)
     else:
-        raise ValueError(f"unknown env {env!r}: cartpole or pong")
+        raise ValueError(f"unknown env {env!r}: cartpole, pong or pong_envpool")
     spec = sebulba.env_spec(env_id, vectorization=vectorization)
     config = sebulba.Config(env=env_id, envs_per_group=envs, vectorization=vectorization,
                             async_factor=async_factor, steps_per_cycle=args.steps_per_cycle,

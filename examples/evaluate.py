@@ -7,14 +7,10 @@
 from __future__ import annotations
 
 import json
-import os
 
-import jax
 from absl import app, flags
 
-import sebulba
-from agents.registry import AGENTS
-from sebulba.checkpoint import Checkpointer
+from examples.checkpoints import eval_vectorization, load_policy
 from sebulba.evaluation import evaluate, record_video
 
 _CHECKPOINT = flags.DEFINE_string(
@@ -26,35 +22,6 @@ _SAMPLED = flags.DEFINE_bool("sampled", False, "Sample actions instead of acting
 _SEED = flags.DEFINE_integer("seed", 1234, "Seeds the envs and sampling.")
 _VIDEO_DIR = flags.DEFINE_string(
     "video_dir", None, "If set, record one episode there (env must render rgb_array).")
-
-
-def checkpoint_dir(path: str) -> str:
-    nested = os.path.join(path, "checkpoints")
-    return nested if os.path.isdir(nested) else path
-
-
-def eval_vectorization(meta: dict) -> str:
-    """Evaluation steps envs in-process; only an id's own vector env changes the spaces."""
-    return "vector_entry_point" if meta.get("vectorization") == "vector_entry_point" else "sync"
-
-
-def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, object, dict]:
-    """(agent, nets, metadata) from a checkpoint written by examples.train."""
-    checkpointer = Checkpointer(checkpoint_dir(path))
-    try:
-        meta = checkpointer.metadata(step)
-        entry = AGENTS.get(meta["agent"])
-        if entry is None:
-            raise ValueError(f"checkpoint agent {meta['agent']!r} is not one of {sorted(AGENTS)}")
-        config = entry.config_class(**{
-            k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
-        agent = entry.build(
-            sebulba.env_spec(meta["env"], meta["env_kwargs"], eval_vectorization(meta)), config)
-        like = agent.new_networks(jax.random.key(0))
-        restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)
-    finally:
-        checkpointer.close()
-    return agent, restored.nets, meta
 
 
 def main(argv: list[str]) -> None:

@@ -16,7 +16,9 @@ clips rewards for learning itself, as IMPALA's `reward_clip` does).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +26,20 @@ import numpy as np
 
 from sebulba.envs import EpisodeTracker
 from sebulba.types import EnvStep
+
+
+@contextlib.contextmanager
+def _environment_kept():
+    """envpool sets process-wide environment variables as it loads its parts (MPLBACKEND=Agg
+    among them, which silences matplotlib in every notebook kernel started afterwards):
+    put the environment back as it was."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)
 
 
 def _envpool():
@@ -38,7 +54,8 @@ def _envpool():
 
 def check_task_id(task_id: str) -> None:
     """ValueError naming the id unless EnvPool has it."""
-    known = _envpool().list_all_envs()
+    with _environment_kept():
+        known = _envpool().list_all_envs()
     if task_id not in known:
         close = difflib.get_close_matches(task_id, known, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -49,8 +66,9 @@ def check_task_id(task_id: str) -> None:
 def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,
               env_kwargs: Mapping[str, Any] | None = None):
     check_task_id(task_id)
-    return _envpool().make(task_id, env_type="gymnasium", num_envs=num_envs,
-                           batch_size=batch_size, seed=seed, **dict(env_kwargs or {}))
+    with _environment_kept():
+        return _envpool().make(task_id, env_type="gymnasium", num_envs=num_envs,
+                               batch_size=batch_size, seed=seed, **dict(env_kwargs or {}))
 
 
 class EnvPoolSource:

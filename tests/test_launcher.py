@@ -157,7 +157,7 @@ def test_atari_ids_train_through_ale_py(vectorization, tmp_path):
 
     import sebulba
     from agents.common import networks
-    from examples.evaluate import eval_vectorization, load_policy
+    from examples.checkpoints import eval_vectorization, load_policy
 
     logdir = str(tmp_path / "pong")
     result = run("examples.train", "--agent=spg", "--env=ALE/Pong-v5",

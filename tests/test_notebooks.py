@@ -18,7 +18,10 @@ def test_the_notebooks_are_there():
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 @pytest.mark.timeout(600)
-def test_notebook_runs(name):
+def test_notebook_runs(name, monkeypatch):
+    # The kernel inherits this process's environment; a backend set by another library
+    # (envpool sets MPLBACKEND=Agg when imported) would hide the plots.
+    monkeypatch.delenv("MPLBACKEND", raising=False)
     notebook = nbformat.read(os.path.join(ROOT, "examples", name), as_version=4)
     client = NotebookClient(notebook, timeout=500, kernel_name="python3",
                             resources={"metadata": {"path": ROOT}})
