@@ -209,10 +209,12 @@ class Learner:
                 f"a learner update takes trajectories_per_update="
                 f"{self.trajectories_per_update} queue items, got {len(items)}")
         try:
-            t0 = time.perf_counter()
+            t_wait = time.perf_counter()
             # The previous update's metrics: it has had this update's host work to finish
-            # in, and waiting for it bounds the programs queued on the devices.
+            # in, and waiting for it bounds the programs queued on the devices. The wait
+            # is the previous update's optimizing, and is counted as such.
             self._fetch_pending()
+            t0 = time.perf_counter()
             if len(items) == 1:
                 item = items[0]
                 initial, final, trajectory = (
@@ -242,7 +244,7 @@ class Learner:
                     f"peer process probably died or became unreachable: {e}") from e
             raise
         self.accounting.add_time("update_experience", t1 - t0)
-        self.accounting.add_time("optimize", t2 - t1)
+        self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)
 
     def finish(self) -> None:
         """Fetches the last update's metrics (and checks them)."""
