@@ -22,7 +22,7 @@ from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 from tests.test_pipeline import EPISODE_LENGTH, expected_next
 from tests.test_r2d2 import SPEC as R2D2_SPEC
-from tests.test_r2d2 import act_and_record, small_config
+from tests.test_r2d2 import act_and_record, check_stored_sequences, small_config
 
 COUNTING = functools.partial(CountingEnv, EPISODE_LENGTH)
 
@@ -296,27 +296,6 @@ def test_r2d2_real_run_with_two_trajectories_per_update(no_leftovers):
     result = sebulba.Sebulba(agent, config).run(2 * E * T * 12)
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
     assert result.learner_updates == result.consumed // (E * T) // 2 == 12
-    nets = result.state.nets
-    unroll = jax.jit(agent.network.apply)
-    for device in range(2):
-        exp = jax.tree.map(lambda x, d=device: x[d], result.learner_experience)
-        size = int(exp.replay.size)
-        items = jax.tree.map(lambda x, n=size: np.asarray(x[:n]), exp.replay.items)
-        index = items.env_index
+    for size, checked in check_stored_sequences(agent, result, E, T):
         # An env that sent n trajectories holds n - 1 sequences; the 2 groups sent 24.
-        assert size == 2 * (24 - 2)
-        # Env i goes to device (i % E) // (E / 2): each device holds only its own envs.
-        np.testing.assert_array_equal((index % E) // (E // 2), device)
-        for env_id in np.unique(index):
-            rows = np.flatnonzero(index == env_id)
-            for a, b in zip(rows[:-1], rows[1:], strict=True):
-                seq_a = jax.tree.map(lambda x, a=a: x[a], items)
-                seq_b = jax.tree.map(lambda x, b=b: x[b], items)
-                np.testing.assert_array_equal(seq_a.env_steps.obs[T:], seq_b.env_steps.obs[:T + 1])
-                np.testing.assert_array_equal(seq_a.action[T:], seq_b.action[:T])
-                state, _ = unroll(nets.online,
-                                  jax.tree.map(lambda x: x[None], seq_a.core),
-                                  seq_a.env_steps.obs[None, :T],
-                                  seq_a.env_steps.first[None, :T])
-                np.testing.assert_allclose(state.hidden[0], seq_b.core.hidden, atol=1e-5)
-                np.testing.assert_allclose(state.cell[0], seq_b.core.cell, atol=1e-5)
+        assert size == 2 * (24 - 2) and checked > 0

@@ -337,16 +337,25 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
     config = sebulba.Config(env=env, env_kwargs=kwargs, envs_per_group=E, steps_per_cycle=T,
                             async_factor=2, learner_devices=[0, 1], seed=3)
     result = sebulba.Sebulba(agent, config).run(2 * E * T * 12)
+    assert result.learner_updates == 0 or result.metrics["learning"] == 0.0
+    for size, checked in check_stored_sequences(agent, result, E, T):
+        assert size >= 8 and checked >= 4
+
+
+def check_stored_sequences(agent: R2D2, result, E: int, T: int) -> list[tuple[int, int]]:
+    """Checks each of 2 learner devices' replay after a run in which learning never
+    started: it holds only its own envs (env i on device (i % E) // (E / 2)), an env's
+    consecutive sequences overlap by T steps, and each stored state is the actors' state
+    at the sequence's start (unrolling a sequence's first T steps from its stored state
+    gives the next one's). Returns (replay size, pairs checked) per device."""
     nets = result.state.nets
     unroll = jax.jit(agent.network.apply)
-    assert result.learner_updates == 0 or result.metrics["learning"] == 0.0
+    checks = []
     for device in range(2):
         exp = jax.tree.map(lambda x, d=device: x[d], result.learner_experience)
         size = int(exp.replay.size)
         items = jax.tree.map(lambda x, n=size: np.asarray(x[:n]), exp.replay.items)
         index = items.env_index
-        assert size >= 8
-        # Env i goes to device (i % E) // (E / 2): each device holds only its own envs.
         np.testing.assert_array_equal((index % E) // (E // 2), device)
         checked = 0
         for env_id in np.unique(index):
@@ -354,10 +363,8 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
             for a, b in zip(rows[:-1], rows[1:], strict=True):
                 seq_a = jax.tree.map(lambda x, a=a: x[a], items)
                 seq_b = jax.tree.map(lambda x, b=b: x[b], items)
-                # Overlapping halves agree ...
                 np.testing.assert_array_equal(seq_a.env_steps.obs[T:], seq_b.env_steps.obs[:T + 1])
                 np.testing.assert_array_equal(seq_a.action[T:], seq_b.action[:T])
-                # ... and the stored state is the actors' state at the sequence's start.
                 state, _ = unroll(nets.online,
                                   jax.tree.map(lambda x: x[None], seq_a.core),
                                   seq_a.env_steps.obs[None, :T],
@@ -365,7 +372,8 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
                 np.testing.assert_allclose(state.hidden[0], seq_b.core.hidden, atol=1e-5)
                 np.testing.assert_allclose(state.cell[0], seq_b.core.cell, atol=1e-5)
                 checked += 1
-        assert checked >= 4
+        checks.append((size, checked))
+    return checks
 
 
 @pytest.mark.timeout(240)
