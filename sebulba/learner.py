@@ -186,7 +186,7 @@ class Learner:
         self.updates = updates
         self.optimizer_steps = 0
         self.metrics: dict[str, float] = {}
-        self._pending: tuple[int, Metrics] | None = None
+        self._pending: tuple[int, Metrics, jax.Array] | None = None  # update, metrics, finite
         self.published: Nets | None = None
         if nets is not None:
             self.publish()
