@@ -22,7 +22,7 @@ from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 from tests.test_pipeline import EPISODE_LENGTH, expected_next
 from tests.test_r2d2 import SPEC as R2D2_SPEC
-from tests.test_r2d2 import act_and_record, check_stored_sequences, small_config
+from tests.test_r2d2 import act_two_groups, check_stored_sequences, small_config
 
 COUNTING = functools.partial(CountingEnv, EPISODE_LENGTH)
 
@@ -245,11 +245,7 @@ def test_r2d2_joined_trajectories_fill_each_envs_own_slot_in_order(length):
     state = agent.new_state(nets, jax.random.key(1), layout)
     experience = state.experience
     cycles = 5
-    groups = []
-    for g in range(2):
-        group_state = jax.tree.map(lambda x, g=g: x[g * E:(g + 1) * E], state.step_state)
-        groups.append(act_and_record(agent, nets, group_state, E, np.random.default_rng(g),
-                                     cycles, T))
+    groups = act_two_groups(agent, nets, state.step_state, E, T, cycles)
     arrivals = [[(0, 0), (0, 1)], [(1, 0), (0, 2)], [(1, 1), (1, 2)], [(0, 3), (1, 3)],
                 [(1, 4), (0, 4)]]
     update = jax.jit(agent.update_experience)

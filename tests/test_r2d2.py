@@ -107,6 +107,14 @@ def test_n_step_returns_stop_at_episode_ends_and_the_sequence_end():
     assert float(got[2]) == pytest.approx(4 + 0.5 * 40)  # truncation bootstraps
 
 
+def act_two_groups(agent, nets, step_state, envs, T, cycles) -> list:
+    """`act_and_record` for each of two groups of `envs` envs (their slices of
+    `step_state`), with their own random observations."""
+    return [act_and_record(agent, nets,
+                           jax.tree.map(lambda x, g=g: x[g * envs:(g + 1) * envs], step_state),
+                           envs, np.random.default_rng(g), cycles, T) for g in range(2)]
+
+
 def act_and_record(agent, nets, step_state, envs, rng, cycles, T):
     """Runs `cycles` inference cycles of one group on random observations.
 
@@ -154,11 +162,7 @@ def test_sequences_hold_the_actors_states_and_steps(length):
     state = agent.new_state(nets, jax.random.key(1), layout)
     experience = state.experience
     cycles = 5
-    groups = []
-    for g in range(2):
-        group_state = jax.tree.map(lambda x, g=g: x[g * E:(g + 1) * E], state.step_state)
-        groups.append(act_and_record(agent, nets, group_state, E, np.random.default_rng(g),
-                                     cycles, T))
+    groups = act_two_groups(agent, nets, state.step_state, E, T, cycles)
     update = jax.jit(agent.update_experience)
     rows = slice(2, 4)
     for c in range(cycles):
