@@ -278,8 +278,8 @@ class EnvGroupRunner:
     def _finish(self, ids, groups, output, open_cycles, cycle, cursor, clock: StageClock,
                 whole: bool = False) -> None:
         """Fetches a batch's actions and extras, records them, and sends the actions."""
-        action = np.asarray(output.action)
-        output = jax.tree.map(np.asarray, output)
+        output = jax.tree.map(np.asarray, output)  # the step's one device-to-host transfer
+        action = output.action
         clock.lap("inference")
         self._record_outputs(open_cycles, ids, groups, cycle, cursor, output, whole)
         cursor[ids] += 1
