@@ -210,6 +210,7 @@ class EpisodeTracker:
         self._obs_dtype = observations.host_dtype(observation_space)
         self._was_last = np.ones(num_envs, bool)
         self._acted = np.zeros(num_envs, bool)  # sent an action since the reset
+        self._all_acted = False
         self._returns = np.zeros(num_envs, np.float64)
         self._lengths = np.zeros(num_envs, np.int64)
 
@@ -222,20 +223,27 @@ class EpisodeTracker:
         last = terminated | truncated
         self._was_last[ids] = last
         reward = np.asarray(reward, np.float32)
-        self._returns[ids] = np.where(first, 0.0, self._returns[ids] + reward)
-        self._lengths[ids] = np.where(first, 0, self._lengths[ids] + 1)
+        returns = self._returns[ids]
+        returns += reward
+        returns[first] = 0.0
+        self._returns[ids] = returns
+        lengths = self._lengths[ids]
+        lengths += 1
+        lengths[first] = 0
+        self._lengths[ids] = lengths
         ended = []
         if last.any():
-            done = ids[last]
-            ended = list(zip(self._returns[done].tolist(), self._lengths[done].tolist(),
-                             strict=True))
-        steps = int(np.count_nonzero(self._acted[ids]))
+            ended = list(zip(returns[last].tolist(), lengths[last].tolist(), strict=True))
+        # Once every env has been sent an action (the usual case), each row is a step.
+        steps = len(ids) if self._all_acted else int(np.count_nonzero(self._acted[ids]))
         env_step = EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
                            first)
         return env_step, ended, steps
 
     def sent(self, ids: np.ndarray) -> None:
-        self._acted[ids] = True
+        if not self._all_acted:
+            self._acted[ids] = True
+            self._all_acted = bool(self._acted.all())
 
 
 class VectorEnvSource:

@@ -207,6 +207,54 @@ class EnvGroupRunner:
             self.errors.report(e)
 
     def _run(self) -> None:
+        if self.source.in_order:
+            self._run_in_order()
+        else:
+            self._run_by_id()
+
+    def _run_in_order(self) -> None:
+        """A vector env: every env, in id order, every step, so one cursor serves all.
+
+        Per step: recv, dispatch the acting call, write the env step into the cycle's host
+        buffers while the device computes, fetch the outputs, write them, send. The cycle's
+        final StepState is the one its bootstrap step starts from, sharded once and reused
+        as the next cycle's initial StepState.
+        """
+        source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
+        clock = StageClock()
+        source.reset(seed=self.seed)
+        initial = agent.shard_step_state(self.state.step_state, self.learner_devices)
+        record: _Cycle | None = None
+        t = c = 0  # the cursor in cycle c
+        while not self.stop.is_set():
+            ids, env_step, ended, new_steps = source.recv()
+            self.partial_steps += new_steps
+            self.accounting.add_env_steps(new_steps, ended)
+            clock.lap("env_step")
+            if t == steps:  # entry T of cycle c: push it, then start c + 1 from here
+                record.write_env_step(None, steps, env_step, None)
+                final = agent.shard_step_state(self.state.step_state, self.learner_devices)
+                if not self._push(0, record, initial, final, clock):
+                    return
+                clock.flush_into(self.accounting)
+                initial, record, t, c = final, None, 0, c + 1
+            if record is None:  # a cycle starts with the latest networks
+                version, nets = self.staging.latest()
+                record = _Cycle(version, env_step, source.num_envs, steps)
+            output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
+            self.state = self.state._replace(step_state=step_state)
+            record.write_env_step(None, t, env_step, None)  # while the device computes
+            clock.lap("record")
+            output = jax.tree.map(np.asarray, output)  # the step's one device-to-host copy
+            clock.lap("inference")
+            record.write_output(None, t, output, None)
+            t += 1
+            clock.lap("record")
+            source.send(output.action, ids)
+            clock.lap("env_step")
+
+    def _run_by_id(self) -> None:
+        """A source whose recv returns any E of its envs (EnvPool): per-env cycles."""
         source, steps = self.source, self.acting.steps_per_cycle
         size, num_groups = source.group_size, source.num_groups
         cycle = np.zeros(source.num_envs, np.int64)  # each env's current cycle
@@ -217,83 +265,79 @@ class EnvGroupRunner:
         clock = StageClock()
         source.reset(seed=self.seed)
         version, nets = self.staging.latest()  # refreshed where a cycle starts
-        # A vector env returns every env, in order, every step: the fast path.
-        whole = source.in_order
         # Pipelining holds one batch back from the source: with one group nothing would
         # be left stepping, and recv would wait forever.
-        pipelined = not whole and num_groups > 1
+        pipelined = num_groups > 1
         pending = None  # a batch whose actions are being computed, not yet sent
+        all_rows = None
         while not self.stop.is_set():
             ids, env_step, ended, new_steps = source.recv()
             self.partial_steps += new_steps
             self.accounting.add_env_steps(new_steps, ended)
             clock.lap("env_step")
+            if all_rows is None or len(all_rows) != len(ids):
+                all_rows = np.ones(len(ids), bool)
             groups = ids // size
-            bootstrap = cursor[ids] == steps
+            env_cursor = cursor[ids]
+            bootstrap = env_cursor == steps
             if bootstrap.any():  # entry T of their cycle, and entry 0 of the next
                 self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
                                        bootstrap, version)
                 done = ids[bootstrap]
                 cycle[done] += 1
                 cursor[done] = 0
-            starts = cursor[ids] == 0
+                env_cursor = cursor[ids]
+            starts = env_cursor == 0
             if starts.any():  # keep the StepState rows a trajectory starts from
                 slots = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
                 self.state = self.state._replace(snapshots=self.acting.snapshot(
                     self.state.snapshots, self.state.step_state, ids.astype(np.int32),
                     slots.astype(np.int32)))
-            complete = [g for g in np.unique(groups[bootstrap]).tolist()
-                        if cycle[g * size:(g + 1) * size].min() > oldest[g]]
-            for g in complete:
-                # Push before acting, so that the next cycle acts with the networks
-                # published while the push waited for room in the queue.
-                record = open_cycles.pop((g, oldest[g]))
-                if not self._push(g, record, oldest[g], initial, clock):
-                    return
-                oldest[g] += 1
-            if complete:
-                clock.flush_into(self.accounting)
-            if starts.any():  # a cycle starts with the latest networks
-                version, nets = self.staging.latest()
-            self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
-                                   np.ones(len(ids), bool), version, oldest, whole)
-            clock.lap("record")
-            if whole:  # a vector env: every env, in order, every step
-                output, step_state = self.acting.act_all(nets, self.state.step_state,
-                                                         env_step)
-            else:
-                output, step_state = self.acting.act(nets, self.state.step_state,
-                                                     ids.astype(np.int32), env_step)
+                complete = [g for g in np.unique(groups[bootstrap]).tolist()
+                            if cycle[g * size:(g + 1) * size].min() > oldest[g]]
+                for g in complete:
+                    # Push before acting, so that the next cycle acts with the networks
+                    # published while the push waited for room in the queue.
+                    c = oldest[g]
+                    if not self._push_snapshots(g, open_cycles.pop((g, c)), c, initial,
+                                                clock):
+                        return
+                    oldest[g] += 1
+                if complete:
+                    clock.flush_into(self.accounting)
+                version, nets = self.staging.latest()  # a cycle starts with the latest
+            output, step_state = self.acting.act(nets, self.state.step_state,
+                                                 ids.astype(np.int32), env_step)
             self.state = self.state._replace(step_state=step_state)
-            # An EnvPool source pipelines: while this batch's inference runs (JAX
-            # dispatches asynchronously), the previous batch's actions are fetched and
-            # sent. Its envs are not in this batch: they have not been sent yet.
+            # While the device computes (JAX dispatches asynchronously): write this
+            # batch's env steps, then fetch, record and send the previous batch's actions
+            # (pipelined; its envs are not in this batch: they have not been sent yet).
+            self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
+                                   all_rows, version, oldest)
+            clock.lap("record")
             if pending is not None:
                 self._finish(*pending, open_cycles, cycle, cursor, clock)
             pending = (ids, groups, output)
             if not pipelined:
-                self._finish(*pending, open_cycles, cycle, cursor, clock, whole)
+                self._finish(*pending, open_cycles, cycle, cursor, clock)
                 pending = None
 
-    def _finish(self, ids, groups, output, open_cycles, cycle, cursor, clock: StageClock,
-                whole: bool = False) -> None:
+    def _finish(self, ids, groups, output, open_cycles, cycle, cursor,
+                clock: StageClock) -> None:
         """Fetches a batch's actions and extras, records them, and sends the actions."""
         output = jax.tree.map(np.asarray, output)  # the step's one device-to-host transfer
         action = output.action
         clock.lap("inference")
-        self._record_outputs(open_cycles, ids, groups, cycle, cursor, output, whole)
+        self._record_outputs(open_cycles, ids, groups, cycle, cursor, output)
         cursor[ids] += 1
         clock.lap("record")
         self.source.send(action, ids)
         clock.lap("env_step")
 
     def _record_env_steps(self, open_cycles, ids, groups, cycle, cursor, env_step, mask,
-                          version, oldest=None, whole=False) -> None:
+                          version, oldest=None) -> None:
         """Writes the env step rows `mask` into each env's current cycle at its cursor."""
         size = self.source.group_size
-        if whole and (g_c := (0, int(cycle[0]))) in open_cycles:  # all envs at one cursor
-            open_cycles[g_c].write_env_step(None, int(cursor[0]), env_step, None)
-            return
         keys = groups[mask] * (1 << 32) + cycle[ids[mask]]
         for key in np.unique(keys).tolist():
             g, c = divmod(key, 1 << 32)
@@ -311,21 +355,17 @@ class EnvGroupRunner:
             sel[mask] = keys == key
             record.write_env_step(ids[sel] % size, cursor[ids[sel]], env_step, sel)
 
-    def _record_outputs(self, open_cycles, ids, groups, cycle, cursor, output,
-                        whole=False) -> None:
+    def _record_outputs(self, open_cycles, ids, groups, cycle, cursor, output) -> None:
         size = self.source.group_size
-        if whole:  # all envs at one cursor of one cycle
-            open_cycles[(0, int(cycle[0]))].write_output(None, int(cursor[0]), output, None)
-            return
         keys = groups * (1 << 32) + cycle[ids]
         for key in np.unique(keys).tolist():
             sel = keys == key
             record = open_cycles[divmod(key, 1 << 32)]
             record.write_output(ids[sel] % size, cursor[ids[sel]], output, sel)
 
-    def _push(self, g: int, record: _Cycle, c: int, initial: dict[int, StepState],
-              clock: StageClock) -> bool:
-        """Puts group g's cycle c on the queue; False if the run stopped first."""
+    def _push_snapshots(self, g: int, record: _Cycle, c: int,
+                        initial: dict[int, StepState], clock: StageClock) -> bool:
+        """`_push` of group g's cycle c, its StepStates taken from the snapshots."""
         agent, size, devices = self.acting.agent, self.source.group_size, self.learner_devices
         snapshots = self.state.snapshots
         if g not in initial:
@@ -333,12 +373,18 @@ class EnvGroupRunner:
             initial[g] = agent.shard_step_state(first, devices)
         last = self.acting.take(snapshots, np.int32((c + 1) % _SNAPSHOT_SLOTS), g, size)
         final = agent.shard_step_state(last, devices)
-        trajectory = sharding.shard_host_env_axis(
-            Trajectory(record.env_steps, record.actor_outputs), devices)
-        num_steps = size * self.acting.steps_per_cycle
-        item = QueueItem(self.first_group + g, record.version, initial[g], final, trajectory,
-                         num_steps)
+        pushed = self._push(g, record, initial[g], final, clock)
         initial[g] = final  # the next cycle starts where this one ended
+        return pushed
+
+    def _push(self, g: int, record: _Cycle, initial: StepState, final: StepState,
+              clock: StageClock) -> bool:
+        """Puts group g's recorded cycle on the queue; False if the run stopped first."""
+        trajectory = sharding.shard_host_env_axis(
+            Trajectory(record.env_steps, record.actor_outputs), self.learner_devices)
+        num_steps = self.source.group_size * self.acting.steps_per_cycle
+        item = QueueItem(self.first_group + g, record.version, initial, final, trajectory,
+                         num_steps)
         clock.lap("shard")
         if not self._put(item):
             return False

@@ -37,17 +37,21 @@ def local_devices_of(devices: Sequence[jax.Device]) -> list[jax.Device]:
     return [d for d in devices if d.process_index == jax.process_index()]
 
 
-def assemble(per_device: Sequence[PyTree], devices: Sequence[jax.Device]) -> PyTree:
+def assemble(per_device: Sequence[PyTree], devices: Sequence[jax.Device],
+             *, stacked: bool = False) -> PyTree:
     """Builds global [num_learners, ...] arrays from one pytree per local learner device.
 
-    `per_device[i]` must already live on `local_devices_of(devices)[i]`.
+    `per_device[i]` must already live on `local_devices_of(devices)[i]`, with leaves
+    [1, ...] if `stacked` (no device op needed: the hot path) or [...] otherwise.
     """
     sharding = learner_sharding(devices)
     num_global = len(devices)
 
     def build(*pieces: jax.Array) -> jax.Array:
-        shape = (num_global,) + pieces[0].shape
-        return jax.make_array_from_single_device_arrays(shape, sharding, [p[None] for p in pieces])
+        if not stacked:
+            pieces = [p[None] for p in pieces]
+        shape = (num_global,) + pieces[0].shape[1:]
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(pieces))
 
     return jax.tree.map(build, *per_device)
 
@@ -55,15 +59,15 @@ def assemble(per_device: Sequence[PyTree], devices: Sequence[jax.Device]) -> PyT
 @functools.cache
 def _env_axis_splitter(num_pieces: int):
     def split(tree):
-        def pieces(x):
+        def pieces(x):  # each [1, ...], as `assemble(stacked=True)` takes them
             if x.ndim == 0:
-                return [x] * num_pieces
+                return [x[None]] * num_pieces
             if x.shape[0] % num_pieces:
                 raise ValueError(
                     f"a per-env leaf of shape {x.shape} has {x.shape[0]} envs, not divisible by "
                     f"{num_pieces} local learner devices"
                 )
-            return list(x.reshape((num_pieces, x.shape[0] // num_pieces) + x.shape[1:]))
+            return list(x.reshape((num_pieces, 1, x.shape[0] // num_pieces) + x.shape[1:]))
 
         leaves, treedef = jax.tree.flatten(tree)
         per_leaf = [pieces(x) for x in leaves]
@@ -82,7 +86,8 @@ def shard_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     """
     local = local_devices_of(devices)
     pieces = _env_axis_splitter(len(local))(tree)
-    return assemble([jax.device_put(p, d) for p, d in zip(pieces, local, strict=True)], devices)
+    return assemble([jax.device_put(p, d) for p, d in zip(pieces, local, strict=True)], devices,
+                    stacked=True)
 
 
 def shard_host_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
@@ -96,10 +101,10 @@ def shard_host_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
             raise ValueError(f"a per-env leaf of shape {x.shape} has {x.shape[0]} envs, not "
                              f"divisible by {n} local learner devices")
         size = x.shape[0] // n
-        return x[i * size:(i + 1) * size]
+        return x[None, i * size:(i + 1) * size]  # [1, E / L, ...]: a view, no copy
 
     return assemble([jax.device_put(jax.tree.map(lambda x, i=i: piece(x, i), tree), d)
-                     for i, d in enumerate(local)], devices)
+                     for i, d in enumerate(local)], devices, stacked=True)
 
 
 def replicate(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:

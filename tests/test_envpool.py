@@ -161,3 +161,45 @@ def test_ppo_learns_cartpole_on_envpool(no_leftovers):
     result = sebulba.Sebulba(agent, config).run(100_000)
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
     assert result.mean_return(0.9, 1.0) >= 150, result.summary()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("task_id", ["CartPole-v1", "Pong-v5"])
+def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
+    """The source calls EnvPool's C++ recv/send below its Python wrapper where the layout
+    is simple; both paths must give the same steps for the same seeds and actions."""
+    from sebulba.envpool_source import EnvPoolSource
+
+    # One group: recv returns every env, so the order of batches cannot depend on
+    # thread timing and both runs see the same steps.
+    direct = EnvPoolSource(task_id, num_groups=1, group_size=3, seed=3,
+                           env_kwargs={"max_episode_steps": 12})
+    wrapped = EnvPoolSource(task_id, num_groups=1, group_size=3, seed=3,
+                            env_kwargs={"max_episode_steps": 12})
+    assert direct._raw is not None
+    wrapped._raw = None
+    try:
+        seen = {}
+        for source in (direct, wrapped):
+            source.reset(seed=3)
+            steps, ended_all = [], []
+            for i in range(60):
+                ids, env_step, ended, _ = source.recv()
+                order = np.argsort(ids)
+                steps.append((ids[order], jax.tree.map(lambda x, o=order: x[o], env_step)))
+                ended_all += ended
+                actions = np.random.default_rng(i).integers(
+                    0, source.pool.action_space.n, len(ids))
+                source.send(actions[order.argsort()], ids)
+            seen[source is direct] = (steps, ended_all)
+        (a, ended_a), (b, ended_b) = seen[True], seen[False]
+        assert ended_a == ended_b and ended_a  # episodes ended within 60 batches
+        assert any(s.truncated.any() for _, s in a)
+        for (ids_a, step_a), (ids_b, step_b) in zip(a, b, strict=True):
+            np.testing.assert_array_equal(ids_a, ids_b)
+            for x, y in zip(step_a, step_b, strict=True):
+                assert x.dtype == y.dtype
+                np.testing.assert_array_equal(x, y)
+    finally:
+        direct.close()
+        wrapped.close()
