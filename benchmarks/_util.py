@@ -138,6 +138,40 @@ def inference_only(agent, num_envs: int, calls: int, seed: int) -> float:
     return num_envs * calls / (time.perf_counter() - t0)
 
 
+def learner_only(loop, updates: int, seed: int = 0) -> float:
+    """Env steps/second the loop's learner consumes alone: `updates` learner updates, each
+    on `trajectories_per_update` copies of one zero trajectory of the loop's shapes, with
+    no acting. The learner's work is dense (convolutions, matmuls, scans), so its cost
+    does not depend on the values; each update waits for the previous one, as in a run."""
+    import jax
+
+    import sebulba
+    from sebulba import sharding
+    from sebulba.channels import QueueItem
+
+    cfg, agent, devices = loop.config, loop.agent, loop.learner_devices
+    state = loop.initial_state()
+    size, steps = cfg.envs_per_group, cfg.steps_per_cycle
+    step_state = agent.shard_step_state(
+        agent.new_step_state(state.nets, jax.random.key(seed), size), devices)
+    trajectory = sharding.shard_env_axis(
+        sebulba.zeros_trajectory(agent, state.nets, size, steps), devices)
+    item = QueueItem(0, 0, step_state, step_state, trajectory, size * steps)
+    items = [item] * cfg.trajectories_per_update
+    learner = loop.learner
+    learner.start(sharding.replicate(state.nets, devices), sharding.replicate(state.opt, devices),
+                  sharding.replicate(state.experience, devices))
+    for _ in range(3):  # compiled and warm
+        learner.update(items)
+    learner.finish()
+    t0 = time.perf_counter()
+    for _ in range(updates):
+        learner.update(items)
+    learner.finish()
+    jax.block_until_ready(learner.nets)
+    return updates * len(items) * size * steps / (time.perf_counter() - t0)
+
+
 def measure(loop, cycles: int) -> dict[str, Any]:
     """One acting-only run (`learn=False`) of `cycles` inference cycles per env group.
 

@@ -18,6 +18,12 @@ Records (JSON lines): meta; one train record per (agent, env, async_factor) and 
     python -m benchmarks.train_speed
     python -m benchmarks.train_speed --envs=pong --agents=ppo --async_factors=2
     python -m benchmarks.train_speed --envs=pong,pong_envpool --agents=impala --async_factors=2
+    python -m benchmarks.train_speed --envs=pong_envpool --agents=impala --async_factors=2 --bounds
+
+With `--bounds`, each repeat also measures, alone, the env (a bare loop over the same
+vector env or pool, random actions) and the learner (`learner_only`: updates on a fixed
+trajectory, no acting), and each train record gets `ratio_to_bound`: consumed steps/second
+over the slower of the two.
 
 "pong_envpool" is EnvPool's `Pong-v5` (extra `envpool`): the same 84 x 84 stacks of 4,
 one pool of async_factor groups per inference device driven by one thread.
@@ -53,7 +59,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="cycles per env group of the compiling run")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bounds", action="store_true",
+                   help="also measure env-only and learner-only throughput alone")
+    p.add_argument("--bound_updates", type=int, default=20,
+                   help="learner updates of the learner-only measurement")
     return p.parse_args(argv)
+
+
+def measure_bounds(args: argparse.Namespace, loop) -> dict[str, float]:
+    """Env-only and learner-only env steps/second for `loop`'s configuration, alone."""
+    from benchmarks._util import env_only, envpool_only, learner_only
+    from sebulba.envs import make_vector_env
+
+    cfg = loop.config
+    vector_steps = 200
+    if cfg.vectorization == "envpool":
+        env_sps = envpool_only(cfg.env, cfg.envs_per_group, cfg.async_factor,
+                               vector_steps * cfg.async_factor, args.seed)
+    else:  # one group's vector env alone; the loop's groups share the 2 cores
+        env_sps = env_only(lambda: make_vector_env(cfg.env, cfg.envs_per_group,
+                                                   cfg.vectorization, cfg.env_kwargs),
+                           vector_steps, args.seed)
+    learner_sps = learner_only(loop, args.bound_updates, args.seed)
+    return {"env_only": round(env_sps, 1), "learner_only": round(learner_sps, 1),
+            "bound": round(min(env_sps, learner_sps), 1),
+            "bounded_by": "env" if env_sps <= learner_sps else "learner"}
 
 
 def build_loop(args: argparse.Namespace, agent_name: str, env: str, async_factor: int):
@@ -133,7 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         for (agent_name, env, af), (loop, agent_cfg) in loops.items():
             steps = args.cartpole_steps if env == "cartpole" else args.pong_steps
+            bounds = measure_bounds(args, loop) if args.bounds else {}
             rec = measure_training(loop, steps)
+            if bounds:
+                bounds["ratio_to_bound"] = round(
+                    rec["consumed_steps_per_second"] / bounds["bound"], 3)
             cfg = loop.config
             extra = ({"num_epochs": agent_cfg.num_epochs,
                       "num_minibatches": agent_cfg.num_minibatches}
@@ -141,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             emit({"record": "train", "repeat": repeat, "agent": agent_name, "env": cfg.env,
                   "vectorization": cfg.vectorization, "async_factor": af,
                   "envs_per_group": cfg.envs_per_group, "steps_per_cycle": cfg.steps_per_cycle,
-                  **extra, **rec})
+                  **extra, **rec, **bounds})
     emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
 
 
