@@ -172,6 +172,80 @@ def learner_only(loop, updates: int, seed: int = 0) -> float:
     return updates * len(items) * size * steps / (time.perf_counter() - t0)
 
 
+def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int) -> float:
+    """Steps/second of the least a loop must do, with no framework: step the vector env,
+    one jitted `agent.step` on its output, fetch the action, repeat. No trajectory, no
+    episode accounting, no queue: a calibration for what the machine allows."""
+    import jax
+    import numpy as np
+
+    import sebulba
+
+    vec = make_vec()
+    try:
+        key = jax.random.key(seed)
+        nets = agent.new_networks(key)
+        step_state = agent.new_step_state(nets, key, vec.num_envs)
+        step = jax.jit(agent.step, donate_argnums=0)
+        obs, _ = vec.reset(seed=seed)
+        flags = np.zeros(vec.num_envs, bool)
+        env_step = sebulba.EnvStep(obs, np.zeros(vec.num_envs, np.float32), flags, flags,
+                                   flags)
+
+        def steps(n: int, step_state, env_step):
+            for _ in range(n):
+                out, step_state = step(step_state, nets, env_step)
+                obs, reward, terminated, truncated, _ = vec.step(np.asarray(out.action))
+                env_step = sebulba.EnvStep(obs, reward.astype(np.float32), terminated,
+                                           truncated, flags)
+            return step_state, env_step
+
+        step_state, env_step = steps(10, step_state, env_step)  # compiled and warm
+        t0 = time.perf_counter()
+        steps(vector_steps, step_state, env_step)
+        return vec.num_envs * vector_steps / (time.perf_counter() - t0)
+    finally:
+        vec.close()
+
+
+def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batches: int,
+                   seed: int) -> float:
+    """`bare_loop` for an EnvPool of num_groups x group_size envs, batch group_size. With
+    several groups one batch is held back while the next one's inference runs (as the
+    loop pipelines): recv, dispatch the jitted step, fetch the previous batch's actions
+    and send them; with one group there is nothing to overlap with."""
+    import jax
+    import numpy as np
+
+    import sebulba
+    from sebulba.envpool_source import make_pool
+
+    pool = make_pool(task_id, num_groups * group_size, group_size, seed)
+    try:
+        key = jax.random.key(seed)
+        nets = agent.new_networks(key)
+        step_state = agent.new_step_state(nets, key, group_size)
+        step = jax.jit(agent.step, donate_argnums=0)
+        flags = np.zeros(group_size, bool)
+        pool.async_reset()
+        pending = None
+        for i in range(batches + 10):
+            if i == 10:
+                t0 = time.perf_counter()
+            obs, reward, terminated, truncated, info = pool.recv()
+            out, step_state = step(step_state, nets, sebulba.EnvStep(
+                obs, reward.astype(np.float32), terminated, truncated, flags))
+            if pending is not None:
+                pool.send(np.asarray(pending[0].action), pending[1])
+            pending = (out, info["env_id"])
+            if num_groups == 1:
+                pool.send(np.asarray(out.action), info["env_id"])
+                pending = None
+        return group_size * batches / (time.perf_counter() - t0)
+    finally:
+        pool.close()
+
+
 def measure(loop, cycles: int) -> dict[str, Any]:
     """One acting-only run (`learn=False`) of `cycles` inference cycles per env group.
 

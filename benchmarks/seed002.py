@@ -3,7 +3,9 @@ of 200, CartPole-v1, 16 envs per env group, 20 inference cycles of 100 steps per
 Steps/second of the Sebulba loop for each async_factor and vectorization, next to its
 bound: the slower of env-only throughput (the bare vector env stepping random actions)
 and inference-only throughput (one jitted `agent.step` on the group's observations with
-the action back on the host, call after call).
+the action back on the host, call after call). For calibration, the bare loop: the same
+vector env (or pool, pipelined) and jitted step in a loop with no framework at all, no
+trajectory and no accounting (`_util.bare_loop`), what this machine allows such a loop.
 
 Records (JSON lines): meta, then per repeat env_only, inference_only and one sebulba
 record per configuration (repeats interleave, so a change of machine load hits every
@@ -25,6 +27,8 @@ import collections
 import time
 
 from benchmarks._util import (
+    bare_loop,
+    bare_pool_loop,
     emit,
     env_only,
     envpool_only,
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     for loop in loops.values():
         measure(loop, cycles=1)  # compiles; every later run reuses what it compiled
 
-    envs, infer, runs = (collections.defaultdict(list) for _ in range(3))
+    envs, infer, runs, bare = (collections.defaultdict(list) for _ in range(4))
     for repeat in range(args.repeats):
         for e in args.envs_per_group:
             for v in args.vectorizations:
@@ -88,6 +92,16 @@ def main(argv: list[str] | None = None) -> None:
                     emit({"record": "env_only", "repeat": repeat, "vectorization": v,
                           "async_factor": af, "envs_per_group": e,
                           "steps_per_second": round(sps, 1)})
+                    if v == "envpool":
+                        sps = bare_pool_loop(agent, ENV_ID, e, af, vector_steps * af,
+                                             args.seed)
+                    else:
+                        sps = bare_loop(agent, lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
+                                        vector_steps, args.seed)
+                    bare[v, e, af].append(sps)
+                    emit({"record": "bare_loop", "repeat": repeat, "vectorization": v,
+                          "async_factor": af, "envs_per_group": e,
+                          "steps_per_second": round(sps, 1)})
             sps = inference_only(agent, e, vector_steps, args.seed)
             infer[e].append(sps)
             emit({"record": "inference_only", "repeat": repeat, "envs_per_group": e,
@@ -99,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for (v, af, e), values in runs.items():
         env_sps = median(envs[v, e, af if v == "envpool" else 1])
+        bare_sps = median(bare[v, e, af if v == "envpool" else 1])
         sps, inf_sps = median(values), median(infer[e])
         bound = min(env_sps, inf_sps)
         serial = 1.0 / (1.0 / env_sps + 1.0 / inf_sps)  # env and inference never overlap
@@ -109,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
             "bounded_by": "env" if env_sps <= inf_sps else "inference",
             "ratio_to_bound": ratio(sps, bound),
             "serial_bound": round(serial, 1), "ratio_to_serial_bound": ratio(sps, serial),
+            "bare_loop": bare_sps, "ratio_to_bare_loop": ratio(sps, bare_sps),
+            "bare_loop_to_bound": ratio(bare_sps, bound),
+            "bare_loop_to_serial_bound": ratio(bare_sps, serial),
         }
         if v == "sync":
             summary["meets_target"] = sps >= TARGET_STEPS_PER_SECOND
