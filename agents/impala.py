@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks, policy
+from agents.common import networks, normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
@@ -57,6 +57,14 @@ class IMPALAConfig:
       entropy_cost: weight of the policy's entropy bonus.
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
+      normalize_observations: "auto" | "on" | "off": standardize vector observations by
+        running moments learnt on the learner and published with the networks
+        (`agents.common.normalization`); "auto": on for Box action spaces.
+      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
+        running std of the discounted return (the actors accumulate it; the learner
+        keeps the moments); "auto": on for Box action spaces.
+      state_dependent_std: a Gaussian policy's log-std is a linear output of the
+        features; False (CleanRL's choice): one learnt parameter per action dimension.
     """
 
     use_lstm: bool = False
@@ -74,8 +82,13 @@ class IMPALAConfig:
     baseline_cost: float = 0.5
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
+    normalize_observations: str = "auto"
+    normalize_rewards: str = "auto"
+    state_dependent_std: bool = False
 
     def __post_init__(self):
+        policy.check_switch("normalize_observations", self.normalize_observations)
+        policy.check_switch("normalize_rewards", self.normalize_rewards)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         sizes = self.hidden_sizes
@@ -102,14 +115,20 @@ class IMPALAConfig:
 
 
 class IMPALA(policy.ActorCriticActing, sebulba.Agent):
-    """IMPALA with V-trace for Discrete action spaces; observations are flattened."""
+    """IMPALA with V-trace, feed-forward or LSTM, for Discrete, MultiDiscrete and Box action
+    spaces (V-trace's ratios come from the policy's log-probabilities, whatever it is)."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
         super().__init__(env_spec)
         self.config = config
         self.network = networks.actor_critic(
-            env_spec.num_actions, env_spec.observation_space, config.hidden_sizes,
-            config.lstm_size if config.use_lstm else 0)
+            env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
+            config.lstm_size if config.use_lstm else 0,
+            state_dependent_std=config.state_dependent_std,
+            normalize_observations=policy.switch_on(config.normalize_observations,
+                                                    env_spec.action_space))
+        if policy.switch_on(config.normalize_rewards, env_spec.action_space):
+            self.return_discount = config.discount
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
         else:
@@ -144,10 +163,10 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         steps, outputs = experience.trajectory.env_steps, experience.trajectory.actor_outputs
         # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.
         _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
-        logits, values = out.logits[:, :-1], out.value  # [E, T, A], [E, T+1]
-        log_pi = policy.log_prob(logits, outputs.action)  # [E, T]
+        dist, values = jax.tree.map(lambda x: x[:, :-1], out.policy), out.value  # [E, T], [E, T+1]
+        log_pi = dist.log_prob(outputs.action)  # [E, T]
         log_rho = log_pi - outputs.extras["log_prob"]
-        reward = steps.reward
+        reward = normalization.scale_rewards(nets, steps.reward)  # identity unless scaling
         if cfg.reward_clip > 0.0:
             reward = jnp.clip(reward, -cfg.reward_clip, cfg.reward_clip)
         vt = jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(
@@ -157,7 +176,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
 
         pg_loss = -policy.masked_mean(log_pi * vt.pg_advantage, mask)
         baseline_loss = 0.5 * policy.masked_mean((vt.vs - values[:, :-1]) ** 2, mask)
-        entropy = policy.masked_mean(policy.entropy(logits), mask)
+        entropy = policy.masked_mean(dist.entropy(), mask)
         loss = pg_loss + cfg.baseline_cost * baseline_loss - cfg.entropy_cost * entropy
         log_rho = jax.lax.stop_gradient(log_rho)
         metrics = {

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks, policy
+from agents.common import networks, normalization, policy
 from agents.common.returns import action_mask, gae_advantages
 from sebulba.experience import segments
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
@@ -69,6 +69,14 @@ class PPOConfig:
       normalize_advantages: standardize the advantages within each minibatch.
       value_cost: weight of the value's squared error in the loss.
       entropy_cost: weight of the policy's entropy bonus in the loss.
+      normalize_observations: "auto" | "on" | "off": standardize vector observations by
+        running moments learnt on the learner and published with the networks
+        (`agents.common.normalization`); "auto": on for Box action spaces.
+      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
+        running std of the discounted return (the actors accumulate it; the learner
+        keeps the moments); "auto": on for Box action spaces.
+      state_dependent_std: a Gaussian policy's log-std is a linear output of the
+        features; False (CleanRL's choice): one learnt parameter per action dimension.
     """
 
     hidden_sizes: tuple[int, ...] = (64, 64)
@@ -91,8 +99,13 @@ class PPOConfig:
     normalize_advantages: bool = True
     value_cost: float = 0.5
     entropy_cost: float = 0.01
+    normalize_observations: str = "auto"
+    normalize_rewards: str = "auto"
+    state_dependent_std: bool = False
 
     def __post_init__(self):
+        policy.check_switch("normalize_observations", self.normalize_observations)
+        policy.check_switch("normalize_rewards", self.normalize_rewards)
         for name in ("num_epochs", "num_minibatches", "lstm_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -116,7 +129,7 @@ class PPOBatch(NamedTuple):
 
     obs: jax.Array  # [N, H, *obs_shape] observations acted on
     first: jax.Array  # [N, H] bool, an episode starts here: the LSTM state resets
-    action: jax.Array  # [N, H] int
+    action: jax.Array  # [N, H, *action_shape]
     behaviour_log_prob: jax.Array  # [N, H] log pi_behaviour(action | obs), from the actor
     advantage: jax.Array  # [N, H] GAE(lambda), not normalized
     value: jax.Array  # [N, H] values when the advantages were computed; targets = adv + value
@@ -134,14 +147,20 @@ class PPOExperience(NamedTuple):
 
 
 class PPO(policy.ActorCriticActing, sebulba.Agent):
-    """PPO-clip for Discrete action spaces, feed-forward or LSTM; observations are flattened."""
+    """PPO-clip, feed-forward or LSTM, for Discrete, MultiDiscrete and Box action spaces
+    (a categorical or diagonal Gaussian policy: `agents.common.distributions`)."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: PPOConfig = PPOConfig()):
         super().__init__(env_spec)
         self.config = config
         self.network = networks.actor_critic(
-            env_spec.num_actions, env_spec.observation_space, config.hidden_sizes,
-            config.lstm_size if config.use_lstm else 0)
+            env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
+            config.lstm_size if config.use_lstm else 0,
+            state_dependent_std=config.state_dependent_std,
+            normalize_observations=policy.switch_on(config.normalize_observations,
+                                                    env_spec.action_space))
+        if policy.switch_on(config.normalize_rewards, env_spec.action_space):
+            self.return_discount = config.discount
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),
             optax.adam(config.learning_rate, eps=config.adam_eps),
@@ -204,8 +223,9 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         start = jax.tree.map(lambda c: c[:, 0], cores)
         _, out = self.network.apply(nets, start, steps.obs, steps.first)
         values = out.value  # [E, T+1]
+        reward = normalization.scale_rewards(nets, steps.reward)  # identity unless scaling
         advantages = jax.vmap(gae_advantages, in_axes=(0, 0, 0, 0, None, None))(
-            steps.reward, values, steps.terminated, steps.truncated, cfg.discount, cfg.gae_lambda
+            reward, values, steps.terminated, steps.truncated, cfg.discount, cfg.gae_lambda
         )  # [E, T]
 
         def cut(x):
@@ -244,8 +264,8 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
             return policy.masked_mean(x, b.mask)
 
         _, out = self.network.apply(nets, b.core, b.obs, b.first)
-        logits, value = out.logits, out.value  # [B, H, A], [B, H]
-        log_ratio = policy.log_prob(logits, b.action) - b.behaviour_log_prob
+        dist, value = out.policy, out.value  # batch [B, H], [B, H]
+        log_ratio = dist.log_prob(b.action) - b.behaviour_log_prob
         ratio = jnp.exp(log_ratio)
 
         advantage = b.advantage
@@ -264,7 +284,7 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
             value_error = jnp.maximum(value_error, (clipped - target) ** 2)
         value_loss = 0.5 * masked_mean(value_error)
 
-        entropy = masked_mean(policy.entropy(logits))
+        entropy = masked_mean(dist.entropy())
         loss = pg_loss + cfg.value_cost * value_loss - cfg.entropy_cost * entropy
         metrics = {
             "pg_loss": pg_loss,

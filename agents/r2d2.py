@@ -250,6 +250,10 @@ class R2D2(sebulba.Agent):
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: R2D2Config = R2D2Config()):
         super().__init__(env_spec)
+        if not isinstance(env_spec.action_space, gym.spaces.Discrete):
+            raise ValueError(
+                f"R2D2 acts in Discrete action spaces only, got {env_spec.action_space!r}; "
+                "PPO, IMPALA and SPG act in Discrete, MultiDiscrete and Box spaces")
         self.config = config
         self.network = q_network(env_spec.num_actions, env_spec.observation_space, config)
         optimizer = optax.adam(config.learning_rate, eps=config.adam_eps)

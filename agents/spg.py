@@ -47,7 +47,8 @@ class SPGConfig:
 
 
 class SPG(policy.ActorCriticActing, sebulba.Agent):
-    """REINFORCE with a baseline for Discrete action spaces, feed-forward or LSTM."""
+    """REINFORCE with a baseline, feed-forward or LSTM, for Discrete, MultiDiscrete and Box
+    action spaces (`agents.common.distributions`)."""
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: SPGConfig = SPGConfig()):
         super().__init__(env_spec)
@@ -56,7 +57,7 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
         # with policy and value heads learned slowly and often collapsed to a
         # deterministic policy (returns ~10); separate ReLU MLPs swung between ~400 and ~50.
         self.network = networks.actor_critic(
-            env_spec.num_actions, env_spec.observation_space, config.hidden_sizes,
+            env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
             config.lstm_size)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
@@ -87,15 +88,16 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
         steps = experience.trajectory.env_steps
         actions = experience.trajectory.actor_outputs.action
         _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
-        logits, values = out.logits, out.value  # [E, T+1, A], [E, T+1]
+        values = out.value  # [E, T+1]
         returns = jax.vmap(bootstrapped_returns, in_axes=(0, 0, 0, 0, None))(
             steps.reward, values, steps.terminated, steps.truncated, cfg.discount
         )  # [E, T], constants
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
-        logits, values = logits[:, :-1], values[:, :-1]
+        dist = jax.tree.map(lambda x: x[:, :-1], out.policy)  # batch [E, T]
+        values = values[:, :-1]
         advantage = returns - values
-        chosen = policy.log_prob(logits, actions)
-        entropy = policy.entropy(logits)
+        chosen = dist.log_prob(actions)
+        entropy = dist.entropy()
 
         def masked_mean(x: jax.Array) -> jax.Array:
             # Actions the env ignored (at the last step of an episode) carry no signal.

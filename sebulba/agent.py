@@ -155,6 +155,16 @@ class Agent(abc.ABC):
 
     # Learning: compiled over the learner devices; arguments are one device's shard.
 
+    def update_statistics(self, nets: Nets, trajectory: Trajectory) -> Nets:
+        """The networks with statistics learnt from data rather than gradients updated
+        from one update's trajectory shard (leaves [K x E / L, T(+1), ...]), e.g. running
+        observation moments a normalizing torso reads. Runs before `update_experience`,
+        which sees the new statistics, on each learner device: sum or average over
+        `sebulba.sharding.LEARNER_AXIS` so that every replica stays identical. The result
+        is published with the networks, so every actor uses the same statistics.
+        Default: unchanged (and nothing compiled)."""
+        return nets
+
     @abc.abstractmethod
     def update_experience(
         self,

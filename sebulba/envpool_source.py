@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sebulba.envs import EpisodeTracker
+from sebulba.envs import EpisodeTracker, action_to_env
 from sebulba.types import EnvStep
 
 
@@ -83,6 +83,7 @@ class EnvPoolSource:
         self.pool = make_pool(task_id, self.num_envs, group_size, seed, env_kwargs)
         self._tracker = EpisodeTracker(self.num_envs, self.pool.observation_space)
         self._action_dtype = self.pool.action_space.dtype
+        self._to_env = action_to_env(self.pool.action_space)
         self._raw = _raw_layout(self.pool)
 
     def reset(self, seed: int) -> None:
@@ -101,7 +102,7 @@ class EnvPoolSource:
         return (ids, *self._tracker.observe(ids, obs, reward, terminated, truncated))
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        actions = np.asarray(actions, self._action_dtype)
+        actions = np.asarray(self._to_env(actions), self._action_dtype)
         ids32 = ids.astype(np.int32)
         if self._raw is None:
             self.pool.send(actions, ids32)

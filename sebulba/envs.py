@@ -19,12 +19,41 @@ VECTORIZATIONS = ("sync", "async", "vector_entry_point", "envpool")
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
     """Raises ValueError unless the spaces are ones the framework batches."""
     observations.kind(observation_space)  # names the space and the wrapper to use
-    if not isinstance(action_space, gym.spaces.Discrete | gym.spaces.Box):
-        raise ValueError(
-            f"unsupported action space {action_space!r}: expected gymnasium.spaces.Discrete or Box"
-        )
+    if not isinstance(action_space, gym.spaces.Discrete | gym.spaces.MultiDiscrete
+                      | gym.spaces.Box):
+        raise ValueError(f"unsupported action space {action_space!r}: expected gymnasium."
+                         "spaces.Discrete, MultiDiscrete or Box")
     if isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) != 0:
         raise ValueError(f"unsupported action space {action_space!r}: Discrete must start at 0")
+    if isinstance(action_space, gym.spaces.MultiDiscrete) and (
+            np.ndim(action_space.nvec) != 1 or np.any(action_space.start != 0)):
+        raise ValueError(f"unsupported action space {action_space!r}: MultiDiscrete must be "
+                         "one-dimensional and start at 0")
+
+
+def action_to_env(action_space: gym.Space) -> Callable[[np.ndarray], np.ndarray]:
+    """What the env boundary does to the agents' actions [E, *shape] before an env sees them.
+
+    Box: non-finite actions (a diverged policy) are an error here, before they reach the
+    env (MuJoCo would integrate them into NaN states); finite ones are clipped to the
+    space's bounds. The trajectory keeps the unclipped action, whose log-probability the
+    agent recorded. Discrete and MultiDiscrete actions pass unchanged.
+    """
+    if not isinstance(action_space, gym.spaces.Box):
+        return lambda action: action
+    low, high = action_space.low, action_space.high
+
+    def to_env(action: np.ndarray) -> np.ndarray:
+        finite = np.isfinite(action)
+        if not finite.all():
+            rows = np.flatnonzero(~finite.reshape(len(action), -1).all(axis=1)).tolist()
+            raise FloatingPointError(
+                f"the policy produced non-finite actions for envs {rows[:8]} (e.g. "
+                f"{action[rows[0]]!r}) in {action_space!r}: the networks have probably "
+                "diverged (see the learner's metrics: loss, entropy)")
+        return np.clip(action, low, high)
+
+    return to_env
 
 
 def register_env_family(env_id: str) -> None:
@@ -263,6 +292,7 @@ class VectorEnvSource:
         self.num_envs = self.group_size = vec.num_envs
         self._ids = np.arange(self.num_envs)
         self._tracker = EpisodeTracker(self.num_envs, vec.single_observation_space)
+        self._to_env = action_to_env(vec.single_action_space)
         self._result: tuple | None = None
 
     def reset(self, seed: int) -> None:
@@ -274,7 +304,7 @@ class VectorEnvSource:
         return (self._ids, *self._tracker.observe(self._ids, *self._result))
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        obs, reward, terminated, truncated, _ = self.vec.step(actions)
+        obs, reward, terminated, truncated, _ = self.vec.step(self._to_env(actions))
         self._tracker.sent(ids)
         self._result = (obs, reward, terminated, truncated)
 

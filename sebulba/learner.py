@@ -5,6 +5,7 @@ of any groups, in queue order, each sharded over the learner devices) and runs, 
 every learner device at once:
 
     initial, final, trajectory = the K items joined along the env axis   # if K > 1
+    nets = agent.update_statistics(nets, trajectory)     # if the agent keeps statistics
     experience = agent.update_experience(experience, initial, final, trajectory, nets)
     repeat agent.num_off_policy_optims_per_cycle():      # optimizer steps
         if agent.ready_to_learn(experience) on every learner device:
@@ -169,6 +170,10 @@ class Learner:
         self._join = env_axis_joiner(self.devices)
         self._update_experience = per_learner_device(
             agent.update_experience, self.devices, donate_argnums=(0,))
+        self._update_statistics = None  # compiled only for agents that keep statistics
+        if type(agent).update_statistics is not Agent.update_statistics:
+            self._update_statistics = per_learner_device(
+                agent.update_statistics, self.devices, donate_argnums=(0,))
         self._optimize = per_learner_device(
             lambda n, o, e: optimizer_step(agent, n, o, e), self.devices,
             donate_argnums=(0, 1, 2))
@@ -222,6 +227,8 @@ class Learner:
             else:
                 initial, final, trajectory = self._join(tuple(
                     (i.initial_step_state, i.final_step_state, i.trajectory) for i in items))
+            if self._update_statistics is not None:
+                self.nets = self._update_statistics(self.nets, trajectory)
             self.experience = self._update_experience(
                 self.experience, initial, final, trajectory, self.nets)
             t1 = time.perf_counter()

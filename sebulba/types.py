@@ -26,7 +26,7 @@ class EnvSpec:
     (`sebulba.observations` says what kind of observation the space holds)."""
 
     observation_space: gym.Space
-    action_space: gym.spaces.Discrete | gym.spaces.Box
+    action_space: gym.spaces.Discrete | gym.spaces.MultiDiscrete | gym.spaces.Box
 
     @property
     def obs_shape(self) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ def test_step_records_the_behaviour_log_prob(use_lstm):
     state = agent.new_step_state(nets, jax.random.key(2), 5)
     _, out = agent.network.apply(nets, state.core, env_step.obs[:, None],
                                  env_step.first[:, None])
-    log_probs = np.asarray(jax.nn.log_softmax(out.logits[:, 0]))
+    log_probs = np.asarray(jax.nn.log_softmax(out.policy.logits[:, 0]))
 
     out, _ = jax.jit(agent.step)(state, nets, env_step)
     chosen = log_probs[np.arange(5), np.asarray(out.action)]
@@ -96,7 +96,8 @@ def test_lstm_training_unroll_reproduces_the_acting_policy():
     # Without the reset, or from a zero state, the unroll would differ.
     _, out = agent.network.apply(nets, initial.core, obs, jnp.zeros_like(first))
     _, out_reset = agent.network.apply(nets, initial.core, obs, jnp.asarray(first))
-    assert not np.allclose(np.asarray(out.logits[0, 3:]), np.asarray(out_reset.logits[0, 3:]))
+    assert not np.allclose(np.asarray(out.policy.logits[0, 3:]),
+                           np.asarray(out_reset.policy.logits[0, 3:]))
 
 
 @pytest.mark.timeout(120)
@@ -121,7 +122,7 @@ def _experience(agent, nets, reward):
     _, out = agent.network.apply(nets, (), steps.obs[:, :-1], steps.first[:, :-1])
     outputs = sebulba.ActorOutput(
         action=trajectory.actor_outputs.action,
-        extras={"log_prob": jax.nn.log_softmax(out.logits)[..., 0]})
+        extras={"log_prob": jax.nn.log_softmax(out.policy.logits)[..., 0]})
     return agent.update_experience(None, agent.new_step_state(nets, jax.random.key(0), 4),
                                    None, sebulba.Trajectory(steps, outputs), nets)
 

@@ -178,7 +178,7 @@ def test_atari_ids_train_through_ale_py(vectorization, tmp_path):
     frames = rng.integers(0, 256, (2,) + space.shape).astype(np.uint8)
     _, out = networks.act(agent.network, nets, (), jax.numpy.asarray(frames),
                           np.ones(2, bool))
-    assert not np.allclose(out.logits[0], out.logits[1], atol=1e-6)
+    assert not np.allclose(out.policy.logits[0], out.policy.logits[1], atol=1e-6)
 
 
 @pytest.mark.timeout(240)

@@ -46,7 +46,8 @@ def unrolled_and_stepped(network, params, obs, first, state):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lstm_size", [0, 8])
 def test_acting_is_the_one_step_case_of_the_unroll(lstm_size):
-    network = networks.actor_critic(3, VECTOR.observation_space, (16,), lstm_size)
+    network = networks.actor_critic(gym.spaces.Discrete(3), VECTOR.observation_space, (16,),
+                                    lstm_size)
     params = networks.init(network, jax.random.key(0), VECTOR.observation_space)
     state = network.initial_state(B)
     assert (state == ()) == (lstm_size == 0)  # feed-forward: the empty state
@@ -55,12 +56,12 @@ def test_acting_is_the_one_step_case_of_the_unroll(lstm_size):
     unrolled, stepped = unrolled_and_stepped(network, params, obs, first, state)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  unrolled, stepped)
-    assert unrolled.logits.shape == (B, T, 3) and unrolled.value.shape == (B, T)
+    assert unrolled.policy.logits.shape == (B, T, 3) and unrolled.value.shape == (B, T)
 
 
 @pytest.mark.timeout(60)
 def test_shapes_are_checked_at_the_boundary():
-    network = networks.actor_critic(3, VECTOR.observation_space, (16,))
+    network = networks.actor_critic(gym.spaces.Discrete(3), VECTOR.observation_space, (16,))
     params = networks.init(network, jax.random.key(0), VECTOR.observation_space)
     with pytest.raises(AssertionError):  # obs without the time axis
         network.apply(params, (), jnp.zeros((B, 6)), jnp.zeros((B, T), bool))
@@ -97,7 +98,7 @@ def test_every_agent_acts_on_its_observations_through_the_protocol(name, kind):
     env_step = example_env_step(spec, 2)._replace(obs=obs, first=np.ones(2, bool))
     _, out = networks.act(agent.network, acting, agent.network.initial_state(2),
                           jnp.asarray(obs), env_step.first)
-    head = out.logits if hasattr(out, "logits") else out  # policy logits or Q-values
+    head = out.policy.logits if hasattr(out, "policy") else out  # policy logits or Q-values
     # Two different observations give different outputs (no constant network).
     assert not np.allclose(head[0], head[1], atol=1e-6)
     state = agent.new_step_state(nets, jax.random.key(1), 2)

@@ -54,7 +54,7 @@ def test_step_records_the_log_prob_and_greedy_step_takes_the_argmax():
     env_step = example_env_step(SPEC, 5)._replace(obs=jax.random.normal(jax.random.key(1), (5, 4)))
     state = agent.new_step_state(nets, jax.random.key(2), 5)
     _, out = agent.network.apply(nets, (), env_step.obs[:, None], env_step.first[:, None])
-    log_probs = np.asarray(jax.nn.log_softmax(out.logits[:, 0]))
+    log_probs = np.asarray(jax.nn.log_softmax(out.policy.logits[:, 0]))
 
     out, _ = jax.jit(agent.step)(state, nets, env_step)
     chosen = log_probs[np.arange(5), np.asarray(out.action)]
@@ -142,12 +142,12 @@ def test_lstm_training_unrolls_each_segment_from_the_actors_state():
     # Unrolling each segment from its stored state reproduces the actor's policy exactly,
     # resets inside a segment (env 2 at step 4) included.
     _, out = agent.network.apply(nets, batch.core, batch.obs, batch.first)
-    logits = out.logits
+    logits = out.policy.logits
     log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), batch.action[..., None], -1)[..., 0]
     np.testing.assert_allclose(log_prob, batch.behaviour_log_prob, atol=1e-5)
     # The stored state matters: from zeros, segments continuing an episode act differently ...
     zeros = jax.tree.map(jnp.zeros_like, batch.core)
-    from_zeros = agent.network.apply(nets, zeros, batch.obs, batch.first)[1].logits
+    from_zeros = agent.network.apply(nets, zeros, batch.obs, batch.first)[1].policy.logits
     assert not np.allclose(from_zeros[1], logits[1], atol=1e-4)
     # ... except where an episode starts at the segment's first step (env 1, step 3).
     np.testing.assert_allclose(from_zeros[3], logits[3], atol=1e-6)

@@ -9,7 +9,8 @@
 - core: the only part with memory, (state, x [B, T, D], first [B, T]) -> (state, y [B, T, D'])
   with `initial_state(batch)`. `NoCore` has the empty state `()` and passes x through;
   `LSTMCore` resets its state before every step whose `first` is set.
-- head: what the agent reads off the features (`PolicyValueHead`, `DuelingQHead`).
+- head: what the agent reads off the features (`PolicyValueHead`: a distribution over
+  actions and a value; `DuelingQHead`).
 
 Acting is the T = 1 case of the same call (`act`), training unrolls a trajectory or a
 segment from the state the actor had at its first step, so acting and training cannot
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agents.common import distributions, normalization
 from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
 from sebulba import observations
 
@@ -150,32 +152,33 @@ def core_for(lstm_size: int) -> nn.Module:
 
 
 class PolicyValue(NamedTuple):
-    logits: jax.Array  # [B, T, A]
+    policy: distributions.Distribution  # batch axes [B, T]
     value: jax.Array  # [B, T]
 
 
 class PolicyValueHead(nn.Module):
-    """Categorical policy logits and a state value, each behind its own tanh MLP.
+    """A policy (a distribution over actions, from `policy_head`, e.g.
+    `distributions.policy_head_for(action_space)`) and a state value, each behind its
+    own tanh MLP.
 
     With `hidden_sizes` () both are linear in the features (a shared torso and core);
     with hidden layers, the policy and the value get separate MLPs, as CleanRL's actor
     and critic: on CartPole-v1 the value loss, much larger than the policy's, otherwise
-    reshapes the policy's features. Init: near-uniform logits (orthogonal gain 0.01),
+    reshapes the policy's features. Init: a near-uniform (or near-zero-mean) policy,
     unit-scale values.
     """
 
-    num_actions: int
+    policy_head: nn.Module
     hidden_sizes: Sequence[int] = ()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> PolicyValue:
         policy = MLP(tuple(self.hidden_sizes), name="policy_torso")(x) if self.hidden_sizes \
             else x
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01),
-                          name="policy")(policy)
+        dist = self.policy_head(policy)
         value = MLP(tuple(self.hidden_sizes), name="value_torso")(x) if self.hidden_sizes else x
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value")(value)
-        return PolicyValue(logits, value[..., 0])
+        return PolicyValue(dist, value[..., 0])
 
 
 class DuelingQHead(nn.Module):
@@ -257,9 +260,17 @@ def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
     return MLP(tuple(hidden_sizes), activation, obs_rank=len(observation_space.shape))
 
 
-def actor_critic(num_actions: int, observation_space: gym.Space,
-                 hidden_sizes: Sequence[int], lstm_size: int = 0) -> Unroll:
-    """The policy/value network agents share, for an observation space.
+def actor_critic(action_space: gym.Space, observation_space: gym.Space,
+                 hidden_sizes: Sequence[int], lstm_size: int = 0, *,
+                 state_dependent_std: bool = False,
+                 normalize_observations: bool = False) -> Unroll:
+    """The policy/value network agents share, for an observation and an action space
+    (the policy's distribution: `distributions.policy_head_for`).
+
+    With `normalize_observations`, vector observations are standardized by running
+    moments held in the networks' "normalization" collection
+    (`normalization.ObservationNormalizer`; frames are scaled to [0, 1] and discrete
+    observations one-hot encoded instead).
 
     - frames: Nature CNN torso shared by linear policy and value heads (pixels are
       expensive to encode twice), then the core;
@@ -268,11 +279,21 @@ def actor_critic(num_actions: int, observation_space: gym.Space,
     - with an LSTM (`lstm_size` > 0): a tanh MLP torso of `hidden_sizes`, the LSTM, linear
       heads.
     """
-    if observations.kind(observation_space) == observations.IMAGE:
+    head = distributions.policy_head_for(action_space, state_dependent_std=state_dependent_std)
+    kind = observations.kind(observation_space)
+    if kind == observations.IMAGE:
         return Unroll(torso_for(observation_space, ()), core_for(lstm_size),
-                      PolicyValueHead(num_actions))
+                      PolicyValueHead(head))
+    normalize = normalize_observations and kind == observations.VECTOR
+    rank = len(observation_space.shape)
+
+    def normalized(torso: nn.Module) -> nn.Module:
+        if not normalize:
+            return torso
+        return nn.Sequential([normalization.ObservationNormalizer(rank), torso])
+
     if lstm_size:
-        return Unroll(torso_for(observation_space, hidden_sizes), LSTMCore(lstm_size),
-                      PolicyValueHead(num_actions))
-    return Unroll(encoder_for(observation_space), NoCore(),
-                  PolicyValueHead(num_actions, tuple(hidden_sizes)))
+        return Unroll(normalized(torso_for(observation_space, hidden_sizes)),
+                      LSTMCore(lstm_size), PolicyValueHead(head))
+    return Unroll(normalized(encoder_for(observation_space)), NoCore(),
+                  PolicyValueHead(head, tuple(hidden_sizes)))

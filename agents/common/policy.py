@@ -1,40 +1,42 @@
-"""Categorical policies: sampling, log-probabilities, entropy, masked means, and the acting
-step every actor-critic agent (SPG, PPO, IMPALA) shares."""
+"""The acting step every actor-critic agent (SPG, PPO, IMPALA) shares, for any action
+distribution (`agents.common.distributions`), and masked means."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import chex
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 
 import sebulba
-from agents.common import networks
+from agents.common import distributions, networks, normalization
 
 
-def sample(keys: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One action per env from per-env typed keys [E] and logits [E, A].
+def sample(keys: jax.Array, dist: distributions.Distribution) -> tuple[jax.Array, jax.Array]:
+    """One action per env from per-env typed keys [E] and a distribution with batch [E].
 
-    Returns (actions [E] int, the next keys [E]).
+    Returns (actions [E, *action_shape], the next keys [E]).
     """
-    chex.assert_rank(logits, 2)
-    chex.assert_axis_dimension(keys, 0, logits.shape[0])
+    chex.assert_rank(keys, 1)
     keys = jax.vmap(jax.random.split)(keys)  # [E, 2]
-    return jax.vmap(jax.random.categorical)(keys[:, 0], logits), keys[:, 1]
+    return jax.vmap(lambda d, k: d.sample(k))(dist, keys[:, 0]), keys[:, 1]
 
 
-def log_prob(logits: jax.Array, action: jax.Array) -> jax.Array:
-    """log pi(action) [...] from logits [..., A] and int actions [...]."""
-    chex.assert_equal_shape_prefix((logits, action), action.ndim)
-    log_probs = jax.nn.log_softmax(logits)
-    return jnp.take_along_axis(log_probs, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+SWITCHES = ("auto", "on", "off")
 
 
-def entropy(logits: jax.Array) -> jax.Array:
-    """Entropy [...] of the categorical distributions with logits [..., A]."""
-    log_probs = jax.nn.log_softmax(logits)
-    return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+def check_switch(name: str, value: str) -> None:
+    if value not in SWITCHES:
+        raise ValueError(f"{name} must be one of {SWITCHES}, got {value!r}")
+
+
+def switch_on(value: str, action_space: gym.Space) -> bool:
+    """An "auto" | "on" | "off" option: "auto" is on for continuous (Box) actions, where
+    observation and reward scales vary most between tasks (MuJoCo), as CleanRL's
+    continuous PPO normalizes both, and off for discrete actions."""
+    return value == "on" or (value == "auto" and isinstance(action_space, gym.spaces.Box))
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -49,20 +51,25 @@ class StepState(NamedTuple):
     Attributes:
       key: [E] typed PRNG keys, one per env (a shared key would repeat across groups).
       core: the network core's state, leaves [E, ...]; () for a feed-forward network.
+      discounted_return: [E] float32, each env's discounted return so far (what reward
+        scaling takes its statistics from; zeros unless the agent scales rewards).
     """
 
     key: jax.Array
     core: networks.CoreState
+    discounted_return: jax.Array
 
 
 def new_step_state(network: networks.Unroll, key: jax.Array, num_envs: int) -> StepState:
-    return StepState(key=jax.random.split(key, num_envs), core=network.initial_state(num_envs))
+    return StepState(key=jax.random.split(key, num_envs), core=network.initial_state(num_envs),
+                     discounted_return=jnp.zeros(num_envs, jnp.float32))
 
 
 def act(network: networks.Unroll, params: networks.Params, step_state: StepState,
-        env_step: sebulba.EnvStep, *, greedy: bool = False,
-        record_core: bool = False) -> tuple[sebulba.ActorOutput, StepState]:
-    """One acting step of a `PolicyValueHead` network: sample (or argmax) an action.
+        env_step: sebulba.EnvStep, *, greedy: bool = False, record_core: bool = False,
+        return_discount: float | None = None) -> tuple[sebulba.ActorOutput, StepState]:
+    """One acting step of a `PolicyValueHead` network: sample an action (or take the
+    distribution's mode: the argmax, or a Gaussian's mean).
 
     The actor records log pi(action | obs) [E] in `extras["log_prob"]`, the denominator
     of a learner's importance ratio (under policy lag the learner's policy is not the
@@ -72,13 +79,18 @@ def act(network: networks.Unroll, params: networks.Params, step_state: StepState
     """
     core, out = networks.act(network, params, step_state.core, env_step.obs, env_step.first)
     if greedy:
-        action, key = jnp.argmax(out.logits, axis=-1), step_state.key
+        action, key = out.policy.mode(), step_state.key
     else:
-        action, key = sample(step_state.key, out.logits)
-    extras = {"log_prob": log_prob(out.logits, action)}
+        action, key = sample(step_state.key, out.policy)
+    extras = {"log_prob": out.policy.log_prob(action)}
     if record_core:
         extras["core"] = step_state.core
-    return sebulba.ActorOutput(action=action, extras=extras), StepState(key, core)
+    returns = step_state.discounted_return
+    if return_discount is not None:
+        returns = normalization.discounted_return(returns, env_step.reward, env_step.first,
+                                                  return_discount)
+        extras["discounted_return"] = returns
+    return sebulba.ActorOutput(action=action, extras=extras), StepState(key, core, returns)
 
 
 class ActorCriticActing:
@@ -87,14 +99,29 @@ class ActorCriticActing:
 
     Mix it in before `sebulba.Agent`. `record_core` = True makes the actor record the core
     state each step acts from (where a training segment starting there starts from).
+    `return_discount` set (by an agent that scales rewards) makes the networks hold
+    reward moments and the actor accumulate discounted returns; observation moments are
+    held when the network normalizes its observations (`networks.actor_critic`). Both are
+    updated on the learner, in `update_statistics`.
     """
 
     network: networks.Unroll
     env_spec: sebulba.EnvSpec
     record_core: bool = False
+    return_discount: float | None = None
 
     def new_networks(self, key: jax.Array) -> networks.Params:
-        return networks.init(self.network, key, self.env_spec.observation_space)
+        nets = networks.init(self.network, key, self.env_spec.observation_space)
+        if self.return_discount is not None:
+            nets = normalization.with_reward_scaling(nets)
+        return nets
+
+    def update_statistics(self, nets: networks.Params,
+                          trajectory: sebulba.Trajectory) -> networks.Params:
+        # Entry T of the observations is entry 0 of the next trajectory: counted there.
+        return normalization.update(
+            nets, trajectory.env_steps.obs[:, :-1],
+            trajectory.actor_outputs.extras.get("discounted_return"))
 
     def new_step_state(self, nets: networks.Params, key: jax.Array,
                        num_envs: int) -> StepState:
@@ -102,12 +129,13 @@ class ActorCriticActing:
 
     def step(self, step_state: StepState, nets: networks.Params,
              env_step: sebulba.EnvStep) -> tuple[sebulba.ActorOutput, StepState]:
-        return act(self.network, nets, step_state, env_step, record_core=self.record_core)
+        return act(self.network, nets, step_state, env_step, record_core=self.record_core,
+                   return_discount=self.return_discount)
 
     def greedy_step(self, step_state: StepState, nets: networks.Params,
                     env_step: sebulba.EnvStep) -> tuple[sebulba.ActorOutput, StepState]:
         return act(self.network, nets, step_state, env_step, greedy=True,
-                   record_core=self.record_core)
+                   record_core=self.record_core, return_discount=self.return_discount)
 
 
 class LatestTrajectory(NamedTuple):

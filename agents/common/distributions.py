@@ -1,0 +1,191 @@
+"""Action distributions for the three action spaces actor-critic agents act in, and the
+network head that outputs their parameters.
+
+    head = policy_head_for(action_space)   # a flax module: features [..., D] -> distribution
+    dist = head.apply(params, features)     # Categorical | MultiCategorical | DiagGaussian
+    dist.log_prob(action)    # [...]   the action's log-probability (summed over its parts)
+    dist.entropy()           # [...]
+    dist.mode()              # [..., *action_shape]  the greedy action
+    dist.sample(key)         # one env's action from an unbatched distribution (vmap it)
+
+A distribution is a pytree of arrays (a `flax.struct` dataclass; sizes are static
+fields), so it passes through `jit`, `vmap`, `scan` and `tree.map` slicing; the leading
+axes are batch axes ([E] when acting, [B, T] in a loss).
+
+- `Discrete(n)`: `Categorical(logits [..., n])`, actions int32 [...].
+- `MultiDiscrete(nvec)`: independent categoricals, `MultiCategorical(logits [..., sum
+  nvec])`, actions int32 [..., len(nvec)].
+- `Box(shape)`: `DiagGaussian(mean [..., *shape], log_std [..., *shape])`, actions float32
+  [..., *shape], unbounded: the env boundary clips them to the space's bounds
+  (`sebulba.envs.action_to_env`) while the agent keeps the unclipped sample, so its
+  log-probability is the one of the action it learns from.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HALF_LOG_2PI = 0.5 * float(np.log(2.0 * np.pi))
+
+
+@flax.struct.dataclass
+class Categorical:
+    """One categorical over `logits.shape[-1]` actions."""
+
+    logits: jax.Array  # [..., A]
+
+    def log_prob(self, action: jax.Array) -> jax.Array:
+        log_probs = jax.nn.log_softmax(self.logits)
+        index = action[..., None].astype(jnp.int32)
+        return jnp.take_along_axis(log_probs, index, axis=-1)[..., 0]
+
+    def entropy(self) -> jax.Array:
+        log_probs = jax.nn.log_softmax(self.logits)
+        return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+    def mode(self) -> jax.Array:
+        return jnp.argmax(self.logits, axis=-1).astype(jnp.int32)
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        return jax.random.categorical(key, self.logits).astype(jnp.int32)
+
+
+@flax.struct.dataclass
+class MultiCategorical:
+    """Independent categoricals, one per entry of a MultiDiscrete action; `logits` holds
+    them side by side, `nvec` (static) their sizes."""
+
+    logits: jax.Array  # [..., sum(nvec)]
+    nvec: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+    def _parts(self) -> list[Categorical]:
+        bounds = np.cumsum(self.nvec)[:-1].tolist()
+        return [Categorical(x) for x in jnp.split(self.logits, bounds, axis=-1)]
+
+    def log_prob(self, action: jax.Array) -> jax.Array:
+        return sum(c.log_prob(action[..., i]) for i, c in enumerate(self._parts()))
+
+    def entropy(self) -> jax.Array:
+        return sum(c.entropy() for c in self._parts())
+
+    def mode(self) -> jax.Array:
+        return jnp.stack([c.mode() for c in self._parts()], axis=-1)
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        keys = jax.random.split(key, len(self.nvec))
+        return jnp.stack([c.sample(k) for c, k in zip(self._parts(), keys, strict=True)],
+                         axis=-1)
+
+
+@flax.struct.dataclass
+class DiagGaussian:
+    """A Gaussian with independent entries; the last `event_ndim` axes (the action's
+    shape) are one action, the axes before them batch axes."""
+
+    mean: jax.Array  # [..., *shape]
+    log_std: jax.Array  # [..., *shape]
+    event_ndim: int = flax.struct.field(pytree_node=False, default=1)
+
+    def _sum_event(self, x: jax.Array) -> jax.Array:
+        return jnp.sum(x, axis=tuple(range(-self.event_ndim, 0)))
+
+    def log_prob(self, action: jax.Array) -> jax.Array:
+        z = (action - self.mean) * jnp.exp(-self.log_std)
+        return self._sum_event(-0.5 * z * z - self.log_std - _HALF_LOG_2PI)
+
+    def entropy(self) -> jax.Array:
+        return self._sum_event(self.log_std + 0.5 + _HALF_LOG_2PI)
+
+    def mode(self) -> jax.Array:
+        return self.mean
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        noise = jax.random.normal(key, jnp.shape(self.mean), jnp.float32)
+        return self.mean + jnp.exp(self.log_std) * noise
+
+
+Distribution = Categorical | MultiCategorical | DiagGaussian
+
+
+class CategoricalHead(nn.Module):
+    """Features [..., D] -> `Categorical` (near-uniform at init: orthogonal gain 0.01)."""
+
+    num_actions: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> Categorical:
+        return Categorical(nn.Dense(self.num_actions, name="logits",
+                                    kernel_init=nn.initializers.orthogonal(0.01))(x))
+
+
+class MultiCategoricalHead(nn.Module):
+    """Features [..., D] -> `MultiCategorical` over `nvec`."""
+
+    nvec: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> MultiCategorical:
+        logits = nn.Dense(sum(self.nvec), name="logits",
+                          kernel_init=nn.initializers.orthogonal(0.01))(x)
+        return MultiCategorical(logits, self.nvec)
+
+
+class GaussianHead(nn.Module):
+    """Features [..., D] -> `DiagGaussian` over actions of `shape`.
+
+    The mean is linear in the features (orthogonal gain 0.01: near 0 at init, as
+    CleanRL's continuous PPO). The log-std is one learnt parameter per action entry,
+    the same in every state (`state_dependent_std` False: CleanRL's default, robust for
+    on-policy learning), or a second linear output of the features. It starts at
+    `init_log_std` and is kept in [min_log_std, max_log_std] so a policy can neither
+    collapse to a point nor explode.
+    """
+
+    shape: tuple[int, ...]
+    state_dependent_std: bool = False
+    init_log_std: float = 0.0
+    min_log_std: float = -5.0
+    max_log_std: float = 2.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> DiagGaussian:
+        size = int(np.prod(self.shape))
+        batch = x.shape[:-1]
+        mean = nn.Dense(size, name="mean", kernel_init=nn.initializers.orthogonal(0.01))(x)
+        if self.state_dependent_std:
+            log_std = nn.Dense(size, name="log_std", kernel_init=nn.initializers.zeros,
+                               bias_init=nn.initializers.constant(self.init_log_std))(x)
+        else:
+            log_std = self.param("log_std", nn.initializers.constant(self.init_log_std),
+                                 (size,))
+            log_std = jnp.broadcast_to(log_std, batch + (size,))
+        log_std = jnp.clip(log_std, self.min_log_std, self.max_log_std)
+        return DiagGaussian(mean.reshape(batch + self.shape),
+                            log_std.reshape(batch + self.shape), len(self.shape))
+
+
+def policy_head_for(action_space: gym.Space, *, state_dependent_std: bool = False
+                    ) -> nn.Module:
+    """The head for an action space: Discrete, MultiDiscrete (every entry from 0) or Box."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return CategoricalHead(int(action_space.n))
+    if isinstance(action_space, gym.spaces.MultiDiscrete):
+        return MultiCategoricalHead(tuple(int(n) for n in np.asarray(action_space.nvec)))
+    if isinstance(action_space, gym.spaces.Box):
+        return GaussianHead(tuple(int(d) for d in action_space.shape),
+                            state_dependent_std=state_dependent_std)
+    raise ValueError(f"no policy head for action space {action_space!r}: expected "
+                     "Discrete, MultiDiscrete or Box")
+
+
+def action_shape(action_space: gym.Space) -> tuple[int, ...]:
+    """The shape of one env's action as the agents produce it."""
+    if isinstance(action_space, gym.spaces.MultiDiscrete):
+        return (int(np.asarray(action_space.nvec).size),)
+    return tuple(action_space.shape or ())
+

@@ -1,0 +1,120 @@
+"""Running observation normalization and reward scaling, kept as learner state.
+
+The statistics live in the networks' variables, in the collection `"normalization"`, so
+they are published with the networks (every actor normalizes with the same numbers),
+checkpointed with them, and updated on the learner, not in per-env wrappers:
+
+    network = Unroll(ObservationNormalizer(...) -> torso, core, head)   # reads them
+    nets = update(nets, obs [E, T, ...], returns [E, T])   # in Agent.update_statistics
+
+`update` merges one update's batch into the running moments with the parallel-variance
+formula (Chan et al., 1979), after summing the batch's moments over the learner devices
+of every process (`psum` over `sebulba.sharding.LEARNER_AXIS`), so the replicas stay
+identical. Reward scaling divides rewards by the running standard deviation of each env's
+discounted return (the actor accumulates it: `discounted_return`), as gymnasium's
+NormalizeReward wrapper and CleanRL's continuous PPO do, but with one set of statistics
+for the whole run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sebulba.sharding import LEARNER_AXIS
+
+COLLECTION = "normalization"
+EPSILON = 1e-8
+
+
+def new_moments(shape: tuple[int, ...]) -> dict[str, jax.Array]:
+    """Moments of nothing yet: count 0, mean 0, variance 1 (normalizing is the identity)."""
+    return {"count": jnp.zeros((), jnp.float32), "mean": jnp.zeros(shape, jnp.float32),
+            "var": jnp.ones(shape, jnp.float32)}
+
+
+class ObservationNormalizer(nn.Module):
+    """(x - mean) / sqrt(var + eps), clipped to [-clip, clip], from the running moments of
+    the observations (rank `obs_rank`); the moments are variables, not parameters, and
+    receive no gradient."""
+
+    obs_rank: int = 1
+    clip: float = 10.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape[x.ndim - self.obs_rank:]
+        moments = self.variable(COLLECTION, "observation", new_moments, shape).value
+        mean, var = jax.lax.stop_gradient((moments["mean"], moments["var"]))
+        x = (x.astype(jnp.float32) - mean) / jnp.sqrt(var + EPSILON)
+        return jnp.clip(x, -self.clip, self.clip)
+
+
+def new_reward_moments() -> dict[str, jax.Array]:
+    return new_moments(())
+
+
+def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int
+            ) -> dict[str, jax.Array]:
+    """`moments` with the entries of `x` over its first `batch_axes` axes (on every learner
+    device of every process) added."""
+    axes = tuple(range(batch_axes))
+    count = jnp.asarray(x.shape[:batch_axes], jnp.float32).prod()
+    total = jax.lax.psum(count, LEARNER_AXIS)
+    mean = jax.lax.psum(jnp.sum(x, axis=axes), LEARNER_AXIS) / total
+    m2 = jax.lax.psum(jnp.sum(jnp.square(x - mean), axis=axes), LEARNER_AXIS)
+    n = moments["count"]
+    new_count = n + total
+    delta = mean - moments["mean"]
+    new_mean = moments["mean"] + delta * total / new_count
+    new_m2 = moments["var"] * n + m2 + jnp.square(delta) * n * total / new_count
+    return {"count": new_count, "mean": new_mean, "var": new_m2 / new_count}
+
+
+def update(nets: Any, obs: jax.Array, returns: jax.Array | None) -> Any:
+    """`nets` with the normalization statistics it holds updated from one update's shard:
+    observations [E, T, *obs_shape] and the actors' discounted returns [E, T] (None if
+    rewards are not scaled). Must run inside the learner's shard_map (it sums over the
+    learner devices). Networks without statistics are returned unchanged."""
+    if not isinstance(nets, dict) or COLLECTION not in nets:
+        return nets
+    stats = dict(nets[COLLECTION])
+
+    def merge_observations(tree):
+        if isinstance(tree, dict) and set(tree) == {"count", "mean", "var"}:
+            return _merged(tree, obs.astype(jnp.float32), 2)
+        return {k: merge_observations(v) for k, v in tree.items()}
+
+    for name, tree in stats.items():
+        if name == "reward":
+            if returns is not None:
+                stats[name] = _merged(tree, returns.astype(jnp.float32), 2)
+        else:
+            stats[name] = merge_observations(tree)
+    return {**nets, COLLECTION: stats}
+
+
+def with_reward_scaling(nets: Any) -> Any:
+    """`nets` holding reward moments too (call on new networks to scale rewards)."""
+    stats = dict(nets.get(COLLECTION, {}))
+    stats["reward"] = new_reward_moments()
+    return {**nets, COLLECTION: stats}
+
+
+def scale_rewards(nets: Any, reward: jax.Array) -> jax.Array:
+    """Rewards divided by the running std of the discounted return, where `nets` hold
+    reward moments; unchanged otherwise."""
+    stats = nets.get(COLLECTION, {}) if isinstance(nets, dict) else {}
+    if "reward" not in stats:
+        return reward
+    var = jax.lax.stop_gradient(stats["reward"]["var"])
+    return reward / jnp.sqrt(var + EPSILON)
+
+
+def discounted_return(accumulated: jax.Array, reward: jax.Array, first: jax.Array,
+                      discount: float) -> jax.Array:
+    """Each env's discounted return so far [E]: restarts at an episode's first step."""
+    return jnp.where(first, 0.0, accumulated * discount + reward)
