@@ -8,6 +8,7 @@ its `module:Id` form, so `import sebulba` registers nothing and these work with
 
   sebulba/CueRecall-v0              a cue at the first step, recalled `delay` steps later
   sebulba/CartPoleNoVelocity-v1     CartPole-v1 observing only cart position and pole angle
+  sebulba/PendulumNoVelocity-v1     Pendulum-v1 (continuous actions) observing only the angle
   sebulba/RepeatFirst-v0            name the symbol shown at step 0, at every step
   sebulba/RepeatPrevious-v0         name the symbol shown k steps ago, at every step
   sebulba/CountRecall-v0            report how often symbol 0 has been seen so far
@@ -27,6 +28,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+from gymnasium.envs.classic_control.pendulum import PendulumEnv
 
 
 class CueRecall(gym.Env):
@@ -302,10 +304,31 @@ class RepeatFirstContinuous(gym.Env):
         return self._obs(), reward, self._t == self.episode_length, False, {}
 
 
+class PendulumNoVelocity(PendulumEnv):
+    """Pendulum-v1 (a torque in [-2, 2]) whose observation is [cos(angle), sin(angle)]:
+    the angular velocity, which swinging up needs, must be inferred from consecutive
+    observations."""
+
+    def __init__(self, render_mode: str | None = None, g: float = 10.0):
+        super().__init__(render_mode=render_mode, g=g)
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        obs, info = super().reset(seed=seed, options=options)
+        return obs[:2], info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs[:2], reward, terminated, truncated, info
+
+
 def _register() -> None:
     registry = gym.envs.registration.registry
     if "sebulba/CueRecall-v0" not in registry:
         gym.register("sebulba/CueRecall-v0", entry_point=f"{__name__}:CueRecall")
+    if "sebulba/PendulumNoVelocity-v1" not in registry:
+        gym.register("sebulba/PendulumNoVelocity-v1",
+                     entry_point=f"{__name__}:PendulumNoVelocity", max_episode_steps=200)
     if "sebulba/CartPoleNoVelocity-v1" not in registry:
         gym.register("sebulba/CartPoleNoVelocity-v1",
                      entry_point=f"{__name__}:CartPoleNoVelocity",
@@ -321,6 +344,7 @@ _register()
 # The ids in `module:Id` form, which import this module (and so register the envs).
 CUE_RECALL = f"{__name__}:sebulba/CueRecall-v0"
 CARTPOLE_NO_VELOCITY = f"{__name__}:sebulba/CartPoleNoVelocity-v1"
+PENDULUM_NO_VELOCITY = f"{__name__}:sebulba/PendulumNoVelocity-v1"
 REPEAT_FIRST = f"{__name__}:sebulba/RepeatFirst-v0"
 REPEAT_PREVIOUS = f"{__name__}:sebulba/RepeatPrevious-v0"
 COUNT_RECALL = f"{__name__}:sebulba/CountRecall-v0"

@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 
 import gymnasium as gym
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sebulba
 from agents.spg import SPG
+from sebulba.envs import example_env_step
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
@@ -63,9 +66,14 @@ def test_agent_built_for_another_env_is_rejected():
         sebulba.Sebulba(agent, sebulba.Config(env=COUNTING, envs_per_group=2))
 
 
-def test_spg_needs_discrete_actions():
-    with pytest.raises(TypeError, match="needs a Discrete action space"):
-        SPG(sebulba.env_spec("Pendulum-v1"))
+def test_spg_acts_in_box_actions_with_a_gaussian_policy():
+    agent = SPG(sebulba.env_spec("Pendulum-v1"))  # a torque in [-2, 2]
+    nets = agent.new_networks(jax.random.key(0))
+    state = agent.new_step_state(nets, jax.random.key(1), 3)
+    env_step = example_env_step(agent.env_spec, 3)
+    output, _ = jax.jit(agent.step)(state, nets, env_step)
+    assert output.action.shape == (3, 1) and output.action.dtype == jnp.float32
+    assert len(set(np.asarray(output.action)[:, 0].tolist())) == 3  # sampled per env
 
 
 def test_bad_total_env_steps_is_rejected():

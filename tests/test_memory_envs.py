@@ -374,3 +374,24 @@ def test_new_ids_work_in_sync_vector_envs(env_id, kwargs, policy, obs_size, leng
             assert not terminated.any()
     finally:
         close_vector_env(vec)
+
+
+@pytest.mark.timeout(60)
+def test_pendulum_without_velocity_is_pendulum_observing_the_angle(no_leftovers):
+    pendulum = make_vector_env(memory_envs.PENDULUM_NO_VELOCITY, 2, "sync")
+    full = gym.make("Pendulum-v1")
+    try:
+        obs, _ = pendulum.reset(seed=3)
+        full_obs, _ = full.reset(seed=3)
+        assert obs.shape == (2, 2) and pendulum.single_action_space.shape == (1,)
+        np.testing.assert_allclose(obs[0], full_obs[:2], rtol=1e-6)
+        for t in range(200):  # same dynamics and rewards, 200-step episodes
+            torque = np.full((2, 1), np.sin(t / 10.0), np.float32)
+            obs, reward, _, truncated, _ = pendulum.step(torque)
+            full_obs, full_reward, _, full_truncated, _ = full.step(torque[0])
+            np.testing.assert_allclose(obs[0], full_obs[:2], rtol=1e-5, atol=1e-6)
+            assert reward[0] == pytest.approx(full_reward, rel=1e-5)
+        assert truncated.all() and full_truncated
+    finally:
+        close_vector_env(pendulum)
+        full.close()

@@ -1,0 +1,110 @@
+"""Learning curves: an agent with its default config (the launcher's defaults, no tuning
+flags) on one env for several seeds; episode returns against env steps, as JSON and as a
+PNG plot (matplotlib, extra `notebooks`).
+
+Records (JSON lines): meta; one run record per seed (steps/second, the mean return over the
+last 10% of the budget, the curve binned into `--bins` points); end. The plot shows each
+seed's curve and their mean.
+
+    python -m benchmarks.curves --agent=ppo --env=InvertedPendulum-v5 --steps=300000
+    python -m benchmarks.curves --agent=ppo --env=HalfCheetah-v5 --steps=1000000 \\
+        --seeds=0,1,2 --plot=benchmarks/plots/ppo_halfcheetah.png
+    python -m benchmarks.curves --agent=ppo --env=sebulba.memory_envs:sebulba/RepeatFirst-v0 \\
+        --agent_config='{"use_lstm": true}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from benchmarks._util import emit, int_list, meta
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.curves", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agent", default="ppo")
+    p.add_argument("--env", default="InvertedPendulum-v5")
+    p.add_argument("--steps", type=int, default=300_000, help="env steps per seed")
+    p.add_argument("--seeds", type=int_list, default=[0])
+    p.add_argument("--agent_config", type=json.loads, default={},
+                   help="JSON object of agent config fields (default: none, the defaults)")
+    p.add_argument("--bins", type=int, default=20, help="points of the binned curve")
+    p.add_argument("--plot", default="", help="PNG file to write the curves to")
+    return p.parse_args(argv)
+
+
+def binned_curve(episodes: list[tuple[int, float, int]], total: int, bins: int
+                 ) -> list[tuple[int, float | None]]:
+    """(end of bin in env steps, mean return of the episodes that ended in it)."""
+    edges = [total * (i + 1) // bins for i in range(bins)]
+    curve, start = [], 0
+    for end in edges:
+        returns = [r for s, r, _ in episodes if start < s <= end]
+        curve.append((end, sum(returns) / len(returns) if returns else None))
+        start = end
+    return curve
+
+
+def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    import dataclasses
+
+    import sebulba
+    from agents.registry import AGENTS
+
+    entry = AGENTS[args.agent]
+    agent_config = dataclasses.replace(entry.config_class(), **args.agent_config)
+    agent = entry.build(sebulba.env_spec(args.env), agent_config)
+    result = sebulba.Sebulba(agent, sebulba.Config(env=args.env, seed=seed)).run(args.steps)
+    return {
+        "record": "run", "agent": args.agent, "env": args.env, "seed": seed,
+        "agent_config": args.agent_config, "env_steps": result.env_steps,
+        "wall_seconds": round(result.wall_seconds, 1),
+        "steps_per_second": round(result.steps_per_second, 1),
+        "last_10pct_return": round(result.mean_return(0.9, 1.0), 2),
+        "episodes": result.episodes_total,
+        "curve": binned_curve(result.episodes, result.env_steps, args.bins),
+    }
+
+
+def plot(records: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for rec in records:
+        points = [(s, r) for s, r in rec["curve"] if r is not None]
+        ax.plot([s for s, _ in points], [r for _, r in points], alpha=0.5,
+                label=f"seed {rec['seed']}: {rec['last_10pct_return']:.0f}")
+    first = records[0]
+    ax.set_title(f"{first['agent']} on {first['env']}, default config "
+                 f"({sum(r['steps_per_second'] for r in records) / len(records):,.0f} steps/s)")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("episode return")
+    ax.legend(title="last 10% mean")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    emit(meta("curves", vars(args)))
+    records = []
+    for seed in args.seeds:
+        records.append(run(args, seed))
+        emit(records[-1])
+    if args.plot:
+        plot(records, args.plot)
+    emit({"record": "end", "seconds": round(time.perf_counter() - started, 1),
+          "plot": args.plot or None})
+
+
+if __name__ == "__main__":
+    main()
