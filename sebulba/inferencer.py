@@ -130,12 +130,13 @@ class _Cycle:
 
     def write_env_step(self, rows: np.ndarray | None, t: np.ndarray | int,
                        env_step: EnvStep, mask: np.ndarray | None) -> None:
-        """Rows `rows` (None: all, in order) at times `t` from `env_step`'s rows `mask`."""
+        """Rows `rows` (None: all, in order) at times `t` from `env_step`'s rows `mask`
+        (None: all)."""
         for buf, x in zip(self.env_steps, env_step, strict=True):
             if rows is None:
                 buf[:, t] = x
             else:
-                buf[rows, t] = x[mask]
+                buf[rows, t] = x if mask is None else x[mask]
 
     def write_output(self, rows: np.ndarray, t: np.ndarray, output: ActorOutput,
                      mask: np.ndarray) -> None:
@@ -148,7 +149,7 @@ class _Cycle:
             if rows is None:
                 buf[:, t] = x
             else:
-                buf[rows, t] = x[mask]
+                buf[rows, t] = x if mask is None else x[mask]
 
 
 class EnvGroupRunner:
@@ -339,7 +340,15 @@ class EnvGroupRunner:
         """Writes the env step rows `mask` into each env's current cycle at its cursor."""
         size = self.source.group_size
         keys = groups[mask] * (1 << 32) + cycle[ids[mask]]
-        for key in np.unique(keys).tolist():
+        uniform = len(keys) > 0 and bool((keys == keys[0]).all())
+        if uniform and len(keys) == len(ids):
+            # The usual case: one group's envs (EnvPool returns the envs that were sent
+            # together), all in one cycle: no sorting into cycles, no masks.
+            record = open_cycles.get(divmod(int(keys[0]), 1 << 32))
+            if record is not None:
+                record.write_env_step(ids % size, cursor[ids], env_step, None)
+                return
+        for key in [int(keys[0])] if uniform else np.unique(keys).tolist():
             g, c = divmod(key, 1 << 32)
             record = open_cycles.get((g, c))
             if record is None:
@@ -358,6 +367,10 @@ class EnvGroupRunner:
     def _record_outputs(self, open_cycles, ids, groups, cycle, cursor, output) -> None:
         size = self.source.group_size
         keys = groups * (1 << 32) + cycle[ids]
+        if (keys == keys[0]).all():  # one group's envs in one cycle: the usual case
+            record = open_cycles[divmod(int(keys[0]), 1 << 32)]
+            record.write_output(ids % size, cursor[ids], output, None)
+            return
         for key in np.unique(keys).tolist():
             sel = keys == key
             record = open_cycles[divmod(key, 1 << 32)]
