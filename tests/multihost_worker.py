@@ -4,7 +4,8 @@
 
 MODE "ppo" takes ARGS ENVS_PER_GROUP NUM_LEARNER_DEVICES TOTAL_ENV_STEPS SEED; with
 NUM_PROCESSES 1 it is a plain single-process run (no jax.distributed), the reference a
-cluster is compared with.
+cluster is compared with. MODE "statistics" runs PPO on Pendulum-v1 (Box actions: the
+networks keep observation and return moments) and reports them.
 """
 
 from __future__ import annotations
@@ -54,9 +55,36 @@ def train_ppo(envs_per_group: int, num_learners: int, total_env_steps: int, seed
             "nets_sha256": hashlib.sha256(nets).hexdigest()}
 
 
+def train_with_statistics(total_env_steps: int) -> dict:
+    """PPO on Pendulum-v1 with the statistics its networks keep; one learner device and one
+    inference device per process (so each process's actors get their own learner's copy)."""
+    from agents.common import normalization
+
+    config = sebulba.Config(env="Pendulum-v1", envs_per_group=4, steps_per_cycle=16,
+                            async_factor=1, vectorization="sync", inference_devices=[0],
+                            learner_devices=[1], seed=0)
+    agent = PPO(sebulba.env_spec(config.env), PPOConfig(num_minibatches=2))
+    published = []
+    result = sebulba.Sebulba(agent, config).run(
+        total_env_steps, on_update=lambda info: published.append(info.nets))
+    stats = result.state.nets[normalization.COLLECTION]
+    last = published[-1][normalization.COLLECTION]  # what this process's actors got last
+    return {"consumed": result.consumed, "global_consumed": result.global_consumed,
+            "reward_count": float(stats["reward"]["count"]),
+            "statistics": jax.tree.map(lambda x: np.asarray(x).tolist(), stats),
+            "published_equal_learner": all(jax.tree.leaves(jax.tree.map(
+                lambda a, b: bool(np.array_equal(a, b)), last, stats)))}
+
+
 def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str,
          *args: str) -> None:
     out = os.path.join(out_dir, f"process{process_id}")
+    if mode == "statistics":
+        distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
+                               heartbeat_timeout_seconds=30)
+        with open(out + ".json", "w") as f:
+            json.dump(train_with_statistics(int(args[0])), f)
+        return
     if mode == "ppo":
         if int(num_processes) > 1:
             distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),

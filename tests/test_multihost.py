@@ -179,3 +179,19 @@ def test_two_processes_learn_cartpole(tmp_path, no_leftovers):
     (first, last, _), = _ppo_runs(tmp_path, 30_000, seed=0, with_reference=False,
                                   timeout=270).values()
     assert last >= 60 and last >= 3 * first, (first, last)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_keep_one_set_of_statistics(tmp_path, no_leftovers):
+    """Observation and return moments (Box actions) are learnt from both processes'
+    trajectories and are the same numbers in both, as are the networks their actors get."""
+    for rc, err in _finish(_start(2, "statistics", tmp_path, 4 * 16 * 6), 240):
+        assert rc == 0, err[-3000:]
+    reports = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(2)]
+    assert reports[0]["statistics"] == reports[1]["statistics"]
+    for rep in reports:
+        assert rep["published_equal_learner"]
+        # Every consumed step of both processes went into the moments.
+        assert rep["reward_count"] == rep["global_consumed"] > rep["consumed"]
+    observation = reports[0]["statistics"]["torso"]["layers_0"]["observation"]
+    assert observation["var"] != [1.0, 1.0, 1.0]  # moved from the initial moments
