@@ -203,3 +203,15 @@ def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
     finally:
         direct.close()
         wrapped.close()
+
+
+@pytest.mark.timeout(300)
+def test_ppo_balances_envpools_mujoco_inverted_pendulum(no_leftovers):
+    # EnvPool's MuJoCo ids: float64 observations and actions (converted at the source),
+    # a Gaussian policy. Measured last-10% mean at 150k steps: 1000 (seed 0, the maximum).
+    env = "InvertedPendulum-v5"
+    config = sebulba.Config(env=env, vectorization="envpool", seed=0)
+    agent = PPO(sebulba.env_spec(env, vectorization="envpool"))
+    result = sebulba.Sebulba(agent, config).run(150_000)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.mean_return(0.9, 1.0) >= 800, result.summary()
