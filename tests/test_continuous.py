@@ -259,7 +259,7 @@ def test_ppo_balances_inverted_pendulum_with_its_defaults(no_leftovers):
 def test_lstm_ppo_swings_up_a_pendulum_it_sees_only_the_angle_of(no_leftovers):
     # Pendulum-v1 observing [cos, sin] of the angle only: the velocity must be remembered.
     # Measured last-10% means at 500k steps (seeds 0, 1, 2): feed-forward -1069, -1111,
-    # -1081; LSTM -319, -414 (seed 2 in RESULTS.md); with the velocity, feed-forward -174.
+    # -1081; LSTM -319, -414, -286; with the velocity, feed-forward -174 (seed 0).
     from sebulba import memory_envs
 
     env = memory_envs.PENDULUM_NO_VELOCITY
