@@ -59,7 +59,8 @@ class EnvSource(Protocol):
 
 class ActorState(NamedTuple):
     """An inferencer's device state: the StepState of its N envs (leaves [N, ...]) and
-    copies of rows taken where a cycle starts (leaves [slots, N, ...])."""
+    copies of rows taken where a cycle starts (leaves [slots, N, ...]; None for a
+    source whose envs step in order)."""
 
     step_state: StepState
     snapshots: StepState
@@ -110,12 +111,17 @@ class ActingFunctions:
             lambda b: b[slot] if b.ndim == 1  # a shared (0-d) leaf, one copy per slot
             else jax.lax.dynamic_slice_in_dim(b[slot], group * size, size), snapshots)
 
-    def new_state(self, step_state: StepState, device: jax.Device) -> ActorState:
-        snapshots = jax.tree.map(
-            lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype) if not
-            jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-            else jnp.stack([x] * _SNAPSHOT_SLOTS), step_state)
-        return jax.device_put(ActorState(step_state, snapshots), device, may_alias=False)
+    def new_state(self, step_state: StepState, device: jax.Device, *,
+                  snapshots: bool = True) -> ActorState:
+        """The state on `device`; without `snapshots` (a source whose envs step in order,
+        whose cycle ends are taken from the step state itself) no snapshot slots."""
+        kept = None
+        if snapshots:
+            kept = jax.tree.map(
+                lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype) if not
+                jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                else jnp.stack([x] * _SNAPSHOT_SLOTS), step_state)
+        return jax.device_put(ActorState(step_state, kept), device, may_alias=False)
 
 
 class _Cycle:
@@ -175,7 +181,7 @@ class EnvGroupRunner:
         self.first_group = first_group
         self.device = device
         self.source = source
-        self.state = acting.new_state(step_state, device)
+        self.state = acting.new_state(step_state, device, snapshots=not source.in_order)
         self.seed = seed
         self.acting = acting
         self.staging = staging
