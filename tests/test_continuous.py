@@ -291,3 +291,15 @@ def test_impala_balances_inverted_pendulum_with_its_defaults(no_leftovers):
     result = sebulba.Sebulba(IMPALA(sebulba.env_spec(env)),
                              sebulba.Config(env=env, seed=0)).run(300_000)
     assert result.mean_return(0.9, 1.0) >= 800, result.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_MUJOCO, reason="needs the mujoco extra (gymnasium[mujoco])")
+@pytest.mark.timeout(1200)
+def test_impala_runs_half_cheetah_with_its_defaults(no_leftovers):
+    # Issue 11's bar: >= 1,000 within 2M steps. Measured last-10% mean: 1,602 (seed 0,
+    # 264 s on 2 cores, 7.7k steps/s).
+    env = "HalfCheetah-v5"
+    result = sebulba.Sebulba(IMPALA(sebulba.env_spec(env)),
+                             sebulba.Config(env=env, seed=0)).run(2_000_000)
+    assert result.mean_return(0.9, 1.0) >= 1000, result.summary()
