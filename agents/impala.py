@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks, normalization, policy
+from agents.common import normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
@@ -33,9 +33,10 @@ OPTIMIZERS = ("adam", "rmsprop")
 
 
 @dataclasses.dataclass(frozen=True)
-class IMPALAConfig:
+class IMPALAConfig(policy.ActorCriticOptions):
     """Hyperparameters; the defaults learn CartPole-v1 with T = 32 (16 envs per group
-    learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py).
+    learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py). The
+    fields of `policy.ActorCriticOptions` (normalization, the Gaussian's std) come first.
 
     Attributes:
       use_lstm: a resetting LSTM core between the torso and the heads (for partially
@@ -57,14 +58,6 @@ class IMPALAConfig:
       entropy_cost: weight of the policy's entropy bonus.
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
-      normalize_observations: "auto" | "on" | "off": standardize vector observations by
-        running moments learnt on the learner and published with the networks
-        (`agents.common.normalization`); "auto": on for Box action spaces.
-      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
-        running std of the discounted return (the actors accumulate it; the learner
-        keeps the moments); "auto": on for Box action spaces.
-      state_dependent_std: a Gaussian policy's log-std is a linear output of the
-        features; False (CleanRL's choice): one learnt parameter per action dimension.
     """
 
     use_lstm: bool = False
@@ -82,13 +75,9 @@ class IMPALAConfig:
     baseline_cost: float = 0.5
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
-    normalize_observations: str = "auto"
-    normalize_rewards: str = "auto"
-    state_dependent_std: bool = False
 
     def __post_init__(self):
-        policy.check_switch("normalize_observations", self.normalize_observations)
-        policy.check_switch("normalize_rewards", self.normalize_rewards)
+        super().__post_init__()
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         sizes = self.hidden_sizes
@@ -121,14 +110,9 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
         super().__init__(env_spec)
         self.config = config
-        self.network = networks.actor_critic(
-            env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
-            config.lstm_size if config.use_lstm else 0,
-            state_dependent_std=config.state_dependent_std,
-            normalize_observations=policy.switch_on(config.normalize_observations,
-                                                    env_spec.action_space))
-        if policy.switch_on(config.normalize_rewards, env_spec.action_space):
-            self.return_discount = config.discount
+        self.network, self.return_discount = policy.actor_critic_network(
+            env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
+            config.discount)
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
         else:

@@ -35,8 +35,9 @@ from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig:
-    """Hyperparameters; the defaults learn CartPole-v1 (16 envs per group, T = 32).
+class PPOConfig(policy.ActorCriticOptions):
+    """Hyperparameters; the defaults learn CartPole-v1 (16 envs per group, T = 32). The
+    fields of `policy.ActorCriticOptions` (normalization, the Gaussian's std) come first.
 
     Attributes:
       hidden_sizes: tanh layers of the policy MLP and, separately, of the value MLP (with
@@ -69,14 +70,6 @@ class PPOConfig:
       normalize_advantages: standardize the advantages within each minibatch.
       value_cost: weight of the value's squared error in the loss.
       entropy_cost: weight of the policy's entropy bonus in the loss.
-      normalize_observations: "auto" | "on" | "off": standardize vector observations by
-        running moments learnt on the learner and published with the networks
-        (`agents.common.normalization`); "auto": on for Box action spaces.
-      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
-        running std of the discounted return (the actors accumulate it; the learner
-        keeps the moments); "auto": on for Box action spaces.
-      state_dependent_std: a Gaussian policy's log-std is a linear output of the
-        features; False (CleanRL's choice): one learnt parameter per action dimension.
     """
 
     hidden_sizes: tuple[int, ...] = (64, 64)
@@ -99,13 +92,9 @@ class PPOConfig:
     normalize_advantages: bool = True
     value_cost: float = 0.5
     entropy_cost: float = 0.01
-    normalize_observations: str = "auto"
-    normalize_rewards: str = "auto"
-    state_dependent_std: bool = False
 
     def __post_init__(self):
-        policy.check_switch("normalize_observations", self.normalize_observations)
-        policy.check_switch("normalize_rewards", self.normalize_rewards)
+        super().__post_init__()
         for name in ("num_epochs", "num_minibatches", "lstm_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -153,14 +142,9 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: PPOConfig = PPOConfig()):
         super().__init__(env_spec)
         self.config = config
-        self.network = networks.actor_critic(
-            env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
-            config.lstm_size if config.use_lstm else 0,
-            state_dependent_std=config.state_dependent_std,
-            normalize_observations=policy.switch_on(config.normalize_observations,
-                                                    env_spec.action_space))
-        if policy.switch_on(config.normalize_rewards, env_spec.action_space):
-            self.return_discount = config.discount
+        self.network, self.return_discount = policy.actor_critic_network(
+            env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
+            config.discount)
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm),
             optax.adam(config.learning_rate, eps=config.adam_eps),

@@ -32,12 +32,20 @@ flags.disclaim_key_flags()
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
-    """Field name -> text, from an `Attributes:` section of the class docstring.
+    """Field name -> text, from the `Attributes:` sections of the class's docstring and of
+    its bases' (a config may inherit shared fields, e.g. `policy.ActorCriticOptions`).
 
     An entry is `name: text` one level below `Attributes:`; lines indented deeper continue
     it; the section ends at a line indented no deeper than `Attributes:`.
     """
-    doc = inspect.getdoc(cls) or ""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__doc__:
+            docs.update(_attribute_section(inspect.cleandoc(klass.__doc__)))
+    return docs
+
+
+def _attribute_section(doc: str) -> dict[str, str]:
     docs: dict[str, str] = {}
     name = None
     section_indent = entry_indent = None

@@ -3,6 +3,8 @@ distribution (`agents.common.distributions`), and masked means."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import chex
@@ -27,16 +29,50 @@ def sample(keys: jax.Array, dist: distributions.Distribution) -> tuple[jax.Array
 SWITCHES = ("auto", "on", "off")
 
 
-def check_switch(name: str, value: str) -> None:
-    if value not in SWITCHES:
-        raise ValueError(f"{name} must be one of {SWITCHES}, got {value!r}")
-
-
 def switch_on(value: str, action_space: gym.Space) -> bool:
     """An "auto" | "on" | "off" option: "auto" is on for continuous (Box) actions, where
     observation and reward scales vary most between tasks (MuJoCo), as CleanRL's
     continuous PPO normalizes both, and off for discrete actions."""
     return value == "on" or (value == "auto" and isinstance(action_space, gym.spaces.Box))
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorCriticOptions:
+    """Options every actor-critic config shares (a base class of PPO's and IMPALA's).
+
+    Attributes:
+      normalize_observations: "auto" | "on" | "off": standardize vector observations by
+        running moments learnt on the learner and published with the networks
+        (`agents.common.normalization`); "auto": on for Box action spaces.
+      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
+        running std of the discounted return (the actors accumulate it; the learner
+        keeps the moments); "auto": on for Box action spaces.
+      state_dependent_std: a Gaussian policy's log-std is a linear output of the
+        features; False (CleanRL's choice): one learnt parameter per action dimension.
+    """
+
+    normalize_observations: str = "auto"
+    normalize_rewards: str = "auto"
+    state_dependent_std: bool = False
+
+    def __post_init__(self):
+        for name in ("normalize_observations", "normalize_rewards"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
+
+
+def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
+                         hidden_sizes: Sequence[int], lstm_size: int,
+                         discount: float) -> tuple[networks.Unroll, float | None]:
+    """The agent's network for its env and options, and the discount its actors accumulate
+    returns with for reward scaling (None: rewards are not scaled)."""
+    network = networks.actor_critic(
+        env_spec.action_space, env_spec.observation_space, hidden_sizes, lstm_size,
+        state_dependent_std=options.state_dependent_std,
+        normalize_observations=switch_on(options.normalize_observations,
+                                         env_spec.action_space))
+    scale = switch_on(options.normalize_rewards, env_spec.action_space)
+    return network, discount if scale else None
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
