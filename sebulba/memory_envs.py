@@ -151,31 +151,16 @@ class RepeatFirst(gym.Env):
         return self._obs(), reward, self._t == self.episode_length, False, {}
 
 
-class RepeatPrevious(gym.Env):
-    """Shows a fresh random symbol every step; the action must name the one shown k steps ago.
-
-    Observation [num_symbols]: the one-hot symbol s_t drawn uniformly at random at each step
-    t (the final observation is zeros). Action: Discrete(num_symbols); at step t >= k it
-    must name s_{t-k}, and earns 1 / (episode_length - k) if it does, 0 otherwise; the
-    actions at steps t < k are ignored (reward 0). Episodes last exactly `episode_length`
-    steps (default 50; k defaults to 4) and then terminate.
-
-    Optimum 1.0 (up to float rounding). Chance 1 / num_symbols (0.25 at the defaults): the
-    current observation is independent of s_{t-k}, so any memoryless policy names it with
-    probability 1 / num_symbols at each rewarded step.
-    """
+class _SymbolStream(gym.Env):
+    """An episode of `episode_length` symbols drawn uniformly from `num_symbols`, shown one
+    per step as one-hots (zeros once the episode is over); subclasses score the actions."""
 
     metadata: dict[str, Any] = {"render_modes": []}
 
-    def __init__(self, num_symbols: int = 4, k: int = 4, episode_length: int = 50):
+    def __init__(self, num_symbols: int, episode_length: int):
         self.num_symbols = _check_int("num_symbols", num_symbols, 2)
-        self.k = _check_int("k", k, 1, " (with k=0 the task needs no memory)")
         self.episode_length = _check_int("episode_length", episode_length, 1)
-        if self.k >= self.episode_length:
-            raise ValueError(f"k={self.k} must be less than episode_length="
-                             f"{self.episode_length}: no step would be rewarded")
         self.observation_space = gym.spaces.Box(0.0, 1.0, (self.num_symbols,), np.float32)
-        self.action_space = gym.spaces.Discrete(self.num_symbols)
         self._symbols = np.zeros(self.episode_length, np.int64)
         self._t = self.episode_length  # stepping before reset() is an error
 
@@ -191,6 +176,29 @@ class RepeatPrevious(gym.Env):
         self._t = 0
         return self._obs(), {}
 
+
+class RepeatPrevious(_SymbolStream):
+    """Shows a fresh random symbol every step; the action must name the one shown k steps ago.
+
+    Observation [num_symbols]: the one-hot symbol s_t drawn uniformly at random at each step
+    t (the final observation is zeros). Action: Discrete(num_symbols); at step t >= k it
+    must name s_{t-k}, and earns 1 / (episode_length - k) if it does, 0 otherwise; the
+    actions at steps t < k are ignored (reward 0). Episodes last exactly `episode_length`
+    steps (default 50; k defaults to 4) and then terminate.
+
+    Optimum 1.0 (up to float rounding). Chance 1 / num_symbols (0.25 at the defaults): the
+    current observation is independent of s_{t-k}, so any memoryless policy names it with
+    probability 1 / num_symbols at each rewarded step.
+    """
+
+    def __init__(self, num_symbols: int = 4, k: int = 4, episode_length: int = 50):
+        super().__init__(num_symbols, episode_length)
+        self.k = _check_int("k", k, 1, " (with k=0 the task needs no memory)")
+        if self.k >= self.episode_length:
+            raise ValueError(f"k={self.k} must be less than episode_length="
+                             f"{self.episode_length}: no step would be rewarded")
+        self.action_space = gym.spaces.Discrete(self.num_symbols)
+
     def step(self, action):
         _check_step(self._t, self.episode_length)
         reward = 0.0
@@ -200,7 +208,7 @@ class RepeatPrevious(gym.Env):
         return self._obs(), reward, self._t == self.episode_length, False, {}
 
 
-class CountRecall(gym.Env):
+class CountRecall(_SymbolStream):
     """Shows a random symbol every step; the action must report how often symbol 0 came.
 
     Observation [num_symbols]: the one-hot symbol drawn uniformly at random at each step
@@ -219,32 +227,18 @@ class CountRecall(gym.Env):
     max_count=5 the best memoryless policy scores about 0.550 at the other defaults).
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}
-
     def __init__(self, num_symbols: int = 2, episode_length: int = 20,
                  max_count: int | None = None):
-        self.num_symbols = _check_int("num_symbols", num_symbols, 2)
-        self.episode_length = _check_int("episode_length", episode_length, 1)
+        super().__init__(num_symbols, episode_length)
         self.max_count = (self.episode_length if max_count is None
                           else _check_int("max_count", max_count, 1))
-        self.observation_space = gym.spaces.Box(0.0, 1.0, (self.num_symbols,), np.float32)
         self.action_space = gym.spaces.Discrete(self.max_count + 1)
-        self._symbols = np.zeros(self.episode_length, np.int64)
         self._answers = np.zeros(self.episode_length, np.int64)
-        self._t = self.episode_length  # stepping before reset() is an error
-
-    def _obs(self) -> np.ndarray:
-        obs = np.zeros(self.num_symbols, np.float32)
-        if self._t < self.episode_length:
-            obs[self._symbols[self._t]] = 1.0
-        return obs
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
-        self._symbols = self.np_random.integers(self.num_symbols, size=self.episode_length)
+        obs, info = super().reset(seed=seed, options=options)
         self._answers = np.minimum(np.cumsum(self._symbols == 0), self.max_count)
-        self._t = 0
-        return self._obs(), {}
+        return obs, info
 
     def step(self, action):
         _check_step(self._t, self.episode_length)
