@@ -55,7 +55,8 @@ class IMPALAConfig(policy.ActorCriticOptions):
       pg_rho_bar: clips the importance ratio of the policy gradient advantages.
       vtrace_lambda: scales the traces, c = lambda * min(c_bar, ratio); 1 in the paper.
       baseline_cost: weight of the value's squared error (to the V-trace targets).
-      entropy_cost: weight of the policy's entropy bonus.
+      entropy_cost: weight of a categorical policy's entropy bonus (Discrete and
+        MultiDiscrete actions; `gaussian_entropy_cost` for Box ones).
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
     """
@@ -110,6 +111,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
         super().__init__(env_spec)
         self.config = config
+        self.entropy_cost = policy.entropy_cost(config, env_spec.action_space)
         self.network, self.return_discount = policy.actor_critic_network(
             env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
             config.discount)
@@ -161,7 +163,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         pg_loss = -policy.masked_mean(log_pi * vt.pg_advantage, mask)
         baseline_loss = 0.5 * policy.masked_mean((vt.vs - values[:, :-1]) ** 2, mask)
         entropy = policy.masked_mean(dist.entropy(), mask)
-        loss = pg_loss + cfg.baseline_cost * baseline_loss - cfg.entropy_cost * entropy
+        loss = pg_loss + cfg.baseline_cost * baseline_loss - self.entropy_cost * entropy
         log_rho = jax.lax.stop_gradient(log_rho)
         metrics = {
             "pg_loss": pg_loss,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 import optax
@@ -50,8 +51,11 @@ class PPOConfig(policy.ActorCriticOptions):
       max_grad_norm: gradients are clipped to this global norm before Adam.
       discount: per-step discount of the returns.
       gae_lambda: lambda of the GAE advantages (0: one-step TD errors, 1: Monte Carlo).
-      num_epochs: passes over each update's trajectory shard.
-      num_minibatches: minibatches per epoch; they split the segments of a learner's shard.
+      num_epochs: passes over each update's trajectory shard; 0: by action space, 4 for
+        discrete actions and 10 for Box ones (CleanRL's Atari and MuJoCo PPO: continuous
+        control reuses each sample more).
+      num_minibatches: minibatches per epoch; they split the segments of a learner's
+        shard; 0: by action space, 4 for discrete actions and 8 for Box ones.
       bptt_horizon: steps per segment; must divide steps_per_cycle; 0: the whole
         trajectory (one segment per env and trajectory).
       num_segments: segments per update over all learner devices the run must produce
@@ -69,7 +73,8 @@ class PPOConfig(policy.ActorCriticOptions):
       clip_value_loss: also clip the value to within clip_epsilon of its old estimate.
       normalize_advantages: standardize the advantages within each minibatch.
       value_cost: weight of the value's squared error in the loss.
-      entropy_cost: weight of the policy's entropy bonus in the loss.
+      entropy_cost: weight of a categorical policy's entropy bonus in the loss (Discrete
+        and MultiDiscrete actions; `gaussian_entropy_cost` for Box ones).
     """
 
     hidden_sizes: tuple[int, ...] = (64, 64)
@@ -80,8 +85,8 @@ class PPOConfig(policy.ActorCriticOptions):
     max_grad_norm: float = 0.5
     discount: float = 0.99
     gae_lambda: float = 0.95
-    num_epochs: int = 4
-    num_minibatches: int = 4
+    num_epochs: int = 0
+    num_minibatches: int = 0
     bptt_horizon: int = 0
     num_segments: int = 0
     prio_alpha: float = 0.0
@@ -95,11 +100,11 @@ class PPOConfig(policy.ActorCriticOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("num_epochs", "num_minibatches", "lstm_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("bptt_horizon", "num_segments", "prio_beta_anneal_updates"):
+        value = self.lstm_size
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"lstm_size must be an int >= 1, got {value!r}")
+        for name in ("num_epochs", "num_minibatches", "bptt_horizon", "num_segments",
+                     "prio_beta_anneal_updates"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -110,6 +115,14 @@ class PPOConfig(policy.ActorCriticOptions):
             raise ValueError(f"prio_alpha must be >= 0, got {self.prio_alpha!r}")
         if self.clip_epsilon <= 0.0:
             raise ValueError(f"clip_epsilon must be > 0, got {self.clip_epsilon!r}")
+
+    def for_actions(self, action_space: gym.Space) -> PPOConfig:
+        """This config with the action-space defaults (the fields left at 0) filled in."""
+        box = isinstance(action_space, gym.spaces.Box)
+        return dataclasses.replace(
+            self,
+            num_epochs=self.num_epochs or (10 if box else 4),
+            num_minibatches=self.num_minibatches or (8 if box else 4))
 
 
 class PPOBatch(NamedTuple):
@@ -141,7 +154,8 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: PPOConfig = PPOConfig()):
         super().__init__(env_spec)
-        self.config = config
+        self.config = config = config.for_actions(env_spec.action_space)
+        self.entropy_cost = policy.entropy_cost(config, env_spec.action_space)
         self.network, self.return_discount = policy.actor_critic_network(
             env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
             config.discount)
@@ -163,7 +177,8 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
     ) -> PPOExperience:
         # An update's shard has K x E / L rows: K trajectories joined along the env axis.
         self._segment_layout(layout.envs_per_update_shard, layout.steps_per_cycle,
-                             layout.num_learner_devices * layout.num_processes)
+                             layout.num_learner_devices * layout.num_processes,
+                             layout.agents_per_env)
         # A placeholder built by the same function as real experience, so its structure
         # and shapes are exactly what update_experience returns (the buffers are donated).
         zeros = sebulba.zeros_trajectory(
@@ -171,14 +186,15 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         return self._prepare(zeros, nets, key, jnp.zeros((), jnp.int32))
 
     def _segment_layout(
-        self, num_envs: int, steps_per_cycle: int, num_shards: int | None = None
+        self, num_envs: int, steps_per_cycle: int, num_shards: int | None = None,
+        agents_per_env: int = 1,
     ) -> segments.SegmentLayout:
         """Checks the sizes (errors name them); `num_shards` is None inside the learner,
         where the count of learner devices is not known and was checked at construction."""
         cfg = self.config
         return segments.segment_layout(
             num_envs, steps_per_cycle, cfg.bptt_horizon, cfg.num_minibatches,
-            num_shards or 1, cfg.num_segments if num_shards else 0)
+            num_shards or 1, cfg.num_segments if num_shards else 0, agents_per_env)
 
     # Experience: one update's trajectory shard, cut into segments, with each step's
     # minibatch.
@@ -269,7 +285,7 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         value_loss = 0.5 * masked_mean(value_error)
 
         entropy = masked_mean(dist.entropy())
-        loss = pg_loss + cfg.value_cost * value_loss - cfg.entropy_cost * entropy
+        loss = pg_loss + cfg.value_cost * value_loss - self.entropy_cost * entropy
         metrics = {
             "pg_loss": pg_loss,
             "value_loss": value_loss,

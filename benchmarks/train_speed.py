@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                 loops[agent_name, env, af] = loop, agent_cfg
 
     for repeat in range(args.repeats):
-        for (agent_name, env, af), (loop, agent_cfg) in loops.items():
+        for (agent_name, env, af), (loop, _) in loops.items():
             steps = args.cartpole_steps if env == "cartpole" else args.pong_steps
             bounds = measure_bounds(args, loop) if args.bounds else {}
             rec = measure_training(loop, steps)
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 bounds["ratio_to_bound"] = round(
                     rec["consumed_steps_per_second"] / bounds["bound"], 3)
             cfg = loop.config
-            extra = ({"num_epochs": agent_cfg.num_epochs,
-                      "num_minibatches": agent_cfg.num_minibatches}
+            extra = ({"num_epochs": loop.agent.config.num_epochs,
+                      "num_minibatches": loop.agent.config.num_minibatches}
                      if agent_name == "ppo" else {})
             emit({"record": "train", "repeat": repeat, "agent": agent_name, "env": cfg.env,
                   "vectorization": cfg.vectorization, "async_factor": af,

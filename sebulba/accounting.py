@@ -49,6 +49,11 @@ class Accounting:
         self.lag_sum = 0
         self.lag_max = 0
         self.stage_seconds: dict[str, float] = collections.defaultdict(float)
+        # multi-agent envs: steps of agents that had left their env's episode, and the
+        # (env_steps at its end, team return, length) of the most recent env episodes
+        self.padding_steps = 0
+        self.team_episodes: collections.deque[tuple[int, float, int]] = collections.deque(
+            maxlen=EPISODE_WINDOW)
 
     def add_env_steps(self, n: int, ended: list[tuple[float, int]]) -> None:
         with self._lock:
@@ -56,6 +61,12 @@ class Accounting:
             for ret, length in ended:
                 self.episodes.append((self.env_steps, ret, length))
             self.episodes_total += len(ended)
+
+    def add_team_episodes(self, padding_steps: int, ended: list[tuple[float, int]]) -> None:
+        with self._lock:
+            self.padding_steps += padding_steps
+            for ret, length in ended:
+                self.team_episodes.append((self.env_steps, ret, length))
 
     def add_consumed(self, n: int, policy_lag: int) -> None:
         with self._lock:
@@ -130,6 +141,13 @@ class RunResult:
       state: final AgentState (nets, opt, experience of the first learner device; the
         step state of all envs).
       learner_experience: every learner device's experience, leaves [num_learners, ...].
+      agents_per_env: K of a multi-agent env (1 otherwise). With K > 1 every step count
+        above counts agent steps (rows: K per env step), `episodes` are agents' episodes,
+        and `team_steps` counts env steps.
+      padding_steps: agent steps of agents that had left their env's episode before the
+        others (part of `env_steps`; masked out of every loss).
+      team_episodes: (env_steps when it ended, team return: the sum of the env's agents'
+        returns, length in env steps) of the most recent env episodes (multi-agent only).
     """
 
     env_steps: int
@@ -150,6 +168,14 @@ class RunResult:
     num_processes: int = 1
     state: AgentState | None = None
     learner_experience: Any = None
+    agents_per_env: int = 1
+    padding_steps: int = 0
+    team_episodes: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def team_steps(self) -> int:
+        """Env steps of this process's envs (agent steps / agents_per_env)."""
+        return self.env_steps // self.agents_per_env
 
     @property
     def global_consumed(self) -> int:
@@ -167,9 +193,11 @@ class RunResult:
     def mean_return(self, start_frac: float = 0.0, end_frac: float = 1.0) -> float:
         """Mean return of episodes that ended within [start, end) of the env steps (of
         those in the window: the last `EPISODE_WINDOW` episodes)."""
-        lo, hi = start_frac * self.env_steps, end_frac * self.env_steps
-        rets = [r for s, r, _ in self.episodes if lo <= s < hi or (end_frac == 1 and s == hi)]
-        return float(np.mean(rets)) if rets else float("nan")
+        return _mean_return(self.episodes, self.env_steps, start_frac, end_frac)
+
+    def mean_team_return(self, start_frac: float = 0.0, end_frac: float = 1.0) -> float:
+        """`mean_return` of the env episodes' team returns (multi-agent runs)."""
+        return _mean_return(self.team_episodes, self.env_steps, start_frac, end_frac)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain figures (no arrays), ready for json.dumps."""
@@ -193,6 +221,13 @@ class RunResult:
             "optimizer_steps": self.optimizer_steps,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
             "metrics": self.metrics,
+            **({"agents_per_env": self.agents_per_env,
+                "team_steps": self.team_steps,
+                "team_steps_per_second": round(self.steps_per_second / self.agents_per_env, 1),
+                "padding_steps": self.padding_steps,
+                "team_episodes": len(self.team_episodes),
+                "mean_team_return_last_10pct": self.mean_team_return(0.9, 1.0)}
+               if self.agents_per_env > 1 else {}),
         }
 
     def summary(self) -> str:
@@ -208,3 +243,10 @@ class RunResult:
             f"time by stage (summed over threads): {stages}",
             f"last metrics: {json.dumps(d['metrics'])}",
         ])
+
+
+def _mean_return(episodes: list[tuple[int, float, int]], env_steps: int, start_frac: float,
+                 end_frac: float) -> float:
+    lo, hi = start_frac * env_steps, end_frac * env_steps
+    rets = [r for s, r, _ in episodes if lo <= s < hi or (end_frac == 1 and s == hi)]
+    return float(np.mean(rets)) if rets else float("nan")

@@ -31,13 +31,16 @@ class Layout:
     """How envs and devices are laid out in a run; agents size their state from it.
 
     Every count is of envs (one env = one acting stream, one row of a trajectory), per
-    process unless it says otherwise; `steps_per_cycle` counts env steps of one env,
+    process unless it says otherwise (in a multi-agent run, `agents_per_env` K > 1, an
+    "env" here is one agent, a row: a group of N envs is N x K rows, env-major);
+    `steps_per_cycle` counts env steps of one env,
     `trajectories_per_update` queue items, `num_groups`, `num_learner_devices` and
     `num_processes` groups, devices and processes.
 
     Attributes:
       envs_per_group: envs in one env group (one inferencer thread's vector env); the
-        `E` of a trajectory's leaves [E, T, ...]. The launcher's `--envs_per_group`.
+        `E` of a trajectory's leaves [E, T, ...]: the launcher's `--envs_per_group` times
+        `agents_per_env`.
       num_groups: env groups of this process (async_factor x inference devices).
       steps_per_cycle: env steps per inference cycle (T), per env.
       num_learner_devices: this process's learner devices (L; one trajectory is split
@@ -47,6 +50,8 @@ class Layout:
       trajectories_per_update: trajectories (K queue items, one group's inference cycle
         each, from any groups, possibly the same group twice) joined along the env axis
         for one learner update, per process. `Config.trajectories_per_update`.
+      agents_per_env: K, the agents (rows) of each env of a multi-agent env, adjacent
+        in every batch; 1 for single-agent envs.
     """
 
     envs_per_group: int
@@ -55,6 +60,7 @@ class Layout:
     num_learner_devices: int
     num_processes: int = 1
     trajectories_per_update: int = 1
+    agents_per_env: int = 1
 
     @property
     def total_envs(self) -> int:

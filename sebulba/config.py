@@ -8,7 +8,8 @@ from typing import Any
 
 import jax
 
-from sebulba.envs import VECTORIZATIONS, EnvFactory
+from sebulba.envs import VECTORIZATIONS, EnvFactory, env_spec
+from sebulba.types import EnvSpec
 
 DeviceLike = int | jax.Device
 
@@ -25,8 +26,13 @@ class Config:
         so it must be divisible by their number.
       vectorization: "sync" (in-thread), "async" (one subprocess per env), "envpool" (an
         EnvPool task id: one pool of async_factor groups per inference device, stepped in
-        EnvPool's C++ threads; extra `envpool`) or
-        "vector_entry_point" (the env's own vectorized implementation, ids only).
+        EnvPool's C++ threads; extra `envpool`), "vector_entry_point" (the env's own
+        vectorized implementation, ids only) or "pettingzoo" (multi-agent: `env` is a
+        PettingZoo env module such as "mpe2.simple_spread_v3", or a factory of a
+        ParallelEnv; each env's K agents are K rows, see `sebulba.multiagent`; extra
+        `multiagent`).
+      agent_ids: multi-agent envs: append a one-hot of the agent's index to its (flat)
+        observation, so that one shared policy can act differently per agent.
       async_factor: env groups (threads) per inference device; 2 = double buffering.
       steps_per_cycle: env steps per inference cycle (trajectory length T).
       inference_devices: local device indices (or local devices) that run `Agent.step`.
@@ -67,6 +73,7 @@ class Config:
     shutdown_timeout_s: float = 10.0
     seed: int = 0
     desync_episodes: bool = False
+    agent_ids: bool = False
 
     def __post_init__(self):
         _positive("envs_per_group", self.envs_per_group)
@@ -89,7 +96,11 @@ class Config:
             )
         if not isinstance(self.desync_episodes, bool):
             raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
-        if self.desync_episodes and self.vectorization in ("vector_entry_point", "envpool"):
+        if self.agent_ids and self.vectorization != "pettingzoo":
+            raise ValueError("agent_ids is for multi-agent envs (vectorization 'pettingzoo'), "
+                             f"got vectorization {self.vectorization!r}")
+        if self.desync_episodes and self.vectorization in (
+                "vector_entry_point", "envpool", "pettingzoo"):
             raise ValueError(
                 "desync_episodes wraps each env, so it needs vectorization 'sync' or 'async', "
                 f"got {self.vectorization!r}")
@@ -106,6 +117,10 @@ class Config:
                 f"learner devices ({num_learners}): each trajectory is split over them"
             )
         self.resolved_inference_devices()
+
+    def env_spec(self) -> EnvSpec:
+        """The spec of this run's env, as the loop checks the agent's against."""
+        return env_spec(self.env, self.env_kwargs, self.vectorization, self.agent_ids)
 
     def resolved_inference_devices(self) -> list[jax.Device]:
         """This process's inference devices."""

@@ -13,7 +13,7 @@ from sebulba import observations
 from sebulba.types import EnvSpec, EnvStep
 
 EnvFactory = Callable[[], gym.Env]
-VECTORIZATIONS = ("sync", "async", "vector_entry_point", "envpool")
+VECTORIZATIONS = ("sync", "async", "vector_entry_point", "envpool", "pettingzoo")
 
 
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
@@ -72,12 +72,22 @@ def env_spec(
     env: str | EnvFactory,
     env_kwargs: Mapping[str, Any] | None = None,
     vectorization: str = "sync",
+    agent_ids: bool = False,
 ) -> EnvSpec:
     """Makes one env to read its spaces, then closes it.
 
     With "vector_entry_point" the spaces are those of the id's own vector env, which may
     preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
+    With "pettingzoo" they are one agent's (`sebulba.multiagent.parallel_env_spec`; with
+    `agent_ids`, extended by the agent's one-hot).
     """
+    if vectorization == "pettingzoo":
+        from sebulba.multiagent import parallel_env_spec
+
+        return parallel_env_spec(env, env_kwargs, agent_ids)
+    if agent_ids:
+        raise ValueError(f"agent_ids is for multi-agent envs (vectorization 'pettingzoo'), got "
+                         f"vectorization {vectorization!r}")
     if vectorization == "envpool":
         from sebulba.envpool_source import make_pool
 

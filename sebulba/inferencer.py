@@ -233,10 +233,16 @@ class EnvGroupRunner:
         initial = agent.shard_step_state(self.state.step_state, self.learner_devices)
         record: _Cycle | None = None
         t = c = 0  # the cursor in cycle c
+        teams = getattr(source, "pop_team_episodes", None)  # a multi-agent source
+        padded = 0
         while not self.stop.is_set():
             ids, env_step, ended, new_steps = source.recv()
             self.partial_steps += new_steps
             self.accounting.add_env_steps(new_steps, ended)
+            if teams is not None:
+                padding = source.padding_steps
+                self.accounting.add_team_episodes(padding - padded, teams())
+                padded = padding
             clock.lap("env_step")
             if t == steps:  # entry T of cycle c: push it, then start c + 1 from here
                 record.write_env_step(None, steps, env_step, None)

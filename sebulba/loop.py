@@ -22,11 +22,11 @@ from sebulba.envpool_source import EnvPoolSource
 from sebulba.envs import (
     VectorEnvSource,
     check_desync,
-    env_spec,
     make_vector_env,
 )
 from sebulba.inferencer import ActingFunctions, EnvGroupRunner, EnvSource
 from sebulba.learner import Learner
+from sebulba.multiagent import ParallelEnvSource, make_parallel_env
 from sebulba.types import AgentState, Nets, PyTree
 
 
@@ -80,15 +80,18 @@ class Sebulba:
         self.local_learner_devices = config.resolved_local_learner_devices()
         self.learner_devices = config.resolved_global_learner_devices()  # the learner mesh
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
-        spec = env_spec(config.env, config.env_kwargs, config.vectorization)
+        spec = config.env_spec()
         if agent.env_spec != spec:
             raise ValueError(
                 f"the agent was built for {agent.env_spec}, but env {config.env!r} has {spec}"
             )
         if config.desync_episodes:
             check_desync(config.env, config.env_kwargs)
+        # A row is one acting stream: one env, or one agent of a multi-agent env.
+        self.rows_per_group = config.envs_per_group * spec.agents_per_env
         self.layout = Layout(
-            envs_per_group=config.envs_per_group,
+            envs_per_group=self.rows_per_group,
+            agents_per_env=spec.agents_per_env,
             num_groups=config.num_groups,
             steps_per_cycle=config.steps_per_cycle,
             num_learner_devices=len(self.local_learner_devices),
@@ -230,6 +233,9 @@ class Sebulba:
             metrics=learner.metrics,
             num_processes=self.num_processes,
             state=final_state,
+            agents_per_env=self.layout.agents_per_env,
+            padding_steps=accounting.padding_steps,
+            team_episodes=list(accounting.team_episodes),
             learner_experience=learner.experience,
         )
 
@@ -251,6 +257,11 @@ class Sebulba:
                         cfg.env, per_device, size, seed, cfg.env_kwargs)))
                     continue
                 for group in range(first, first + per_device):
+                    if cfg.vectorization == "pettingzoo":
+                        sources.append((group, device, ParallelEnvSource(
+                            [make_parallel_env(cfg.env, cfg.env_kwargs) for _ in range(size)],
+                            cfg.agent_ids)))
+                        continue
                     vec = make_vector_env(cfg.env, size, cfg.vectorization, cfg.env_kwargs,
                                           cfg.async_context, cfg.desync_episodes)
                     sources.append((group, device, VectorEnvSource(vec)))
@@ -262,7 +273,7 @@ class Sebulba:
 
     def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):
         cfg = self.config
-        size = cfg.envs_per_group
+        size = self.rows_per_group
         runners = []
         sources = self._make_sources()
         try:

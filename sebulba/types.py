@@ -23,10 +23,15 @@ Metrics = dict[str, jax.Array]
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
     """The spaces of one (unbatched) env; agents build their networks from it
-    (`sebulba.observations` says what kind of observation the space holds)."""
+    (`sebulba.observations` says what kind of observation the space holds).
+
+    With `agents_per_env` K > 1 (a multi-agent env, `sebulba.multiagent`) the spaces are
+    one agent's, shared by all K, and each env gives K rows, env-major, to every batch.
+    """
 
     observation_space: gym.Space
     action_space: gym.spaces.Discrete | gym.spaces.MultiDiscrete | gym.spaces.Box
+    agents_per_env: int = 1
 
     @property
     def obs_shape(self) -> tuple[int, ...]:

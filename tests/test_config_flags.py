@@ -78,7 +78,7 @@ def test_flags_set_every_kind_of_config_field():
         "inference_devices": [1], "learner_devices": [0, 1], "queue_capacity": 3,
         "drop_when_full": True, "check_finite": False, "async_context": "forkserver",
         "shutdown_timeout_s": 2.5, "seed": 7, "desync_episodes": True,
-        "trajectories_per_update": 2}
+        "trajectories_per_update": 2, "agent_ids": False}
     assert {f.name for f in dataclasses.fields(sebulba.Config)} == set(values)
     config = sebulba.Config(**values)
     assert config.resolved_global_learner_devices()[1] == config.resolved_inference_devices()[0]

@@ -114,7 +114,8 @@ def test_a_diverged_policy_stops_the_run_before_the_env_sees_nan(no_leftovers):
     RecordingBoxEnv.received.clear()
     config = sebulba.Config(env=RecordingBoxEnv, envs_per_group=4, steps_per_cycle=8,
                             async_factor=1, vectorization="sync", seed=0)
-    loop = sebulba.Sebulba(PPO(sebulba.env_spec(RecordingBoxEnv)), config)
+    agent = PPO(sebulba.env_spec(RecordingBoxEnv), PPOConfig(num_minibatches=1))
+    loop = sebulba.Sebulba(agent, config)
     state = loop.initial_state()
     head = state.nets["params"]["head"]["policy_head"]
     nets = {**state.nets, "params": {**state.nets["params"], "head": {
@@ -286,11 +287,20 @@ def test_inverted_pendulum_on_more_seeds_and_agents(agent_class, seed, no_leftov
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_MUJOCO, reason="needs the mujoco extra (gymnasium[mujoco])")
-@pytest.mark.timeout(1200)
-def test_impala_runs_half_cheetah_with_its_defaults(no_leftovers):
-    # Issue 11's bar: >= 1,000 within 2M steps. Measured last-10% mean: 1,602 (seed 0,
-    # 264 s on 2 cores, 7.7k steps/s).
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("agent_class,steps,bar", [(PPO, 1_000_000, 1500),
+                                                   (IMPALA, 2_000_000, 1000)])
+def test_half_cheetah_with_the_defaults_over_three_seeds(agent_class, steps, bar, no_leftovers):
+    """Issue 11's bars, on the mean over seeds 0, 1, 2 of the last-10% mean return: PPO
+    >= 1,500 within 1M steps, IMPALA >= 1,000 within 2M. Measured 2026-11-23 (2 cores,
+    alone): PPO 1,613, 3,216, 1,595 (mean 2,141; 5k steps/s); IMPALA 3,466, 947, 1,083
+    (mean 1,832; 9k steps/s). HalfCheetah's seeds differ widely (a run that learns to
+    run on its back scores twice the others), so each seed only has to reach half the bar.
+    """
     env = "HalfCheetah-v5"
-    result = sebulba.Sebulba(IMPALA(sebulba.env_spec(env)),
-                             sebulba.Config(env=env, seed=0)).run(2_000_000)
-    assert result.mean_return(0.9, 1.0) >= 1000, result.summary()
+    returns = []
+    for seed in range(3):
+        result = sebulba.Sebulba(agent_class(sebulba.env_spec(env)),
+                                 sebulba.Config(env=env, seed=seed)).run(steps)
+        returns.append(result.mean_return(0.9, 1.0))
+    assert np.mean(returns) >= bar and min(returns) >= bar / 2, returns

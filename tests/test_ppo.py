@@ -39,7 +39,7 @@ def test_a_buffer_size_the_envs_do_not_fill_is_rejected(no_leftovers):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("field,value", [
-    ("num_epochs", 0), ("num_minibatches", 0), ("gae_lambda", 1.5), ("clip_epsilon", 0.0),
+    ("num_epochs", -1), ("num_minibatches", -2), ("gae_lambda", 1.5), ("clip_epsilon", 0.0),
     ("bptt_horizon", -1), ("num_segments", 2.5), ("prio_alpha", -0.1), ("prio_beta0", 1.5),
     ("lstm_size", 0), ("prio_beta_anneal_updates", -3)])
 def test_bad_config_is_rejected(field, value):

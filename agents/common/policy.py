@@ -49,16 +49,24 @@ class ActorCriticOptions:
         keeps the moments); "auto": on for Box action spaces.
       state_dependent_std: a Gaussian policy's log-std is a linear output of the
         features; False (CleanRL's choice): one learnt parameter per action dimension.
+      gaussian_entropy_cost: weight of the entropy bonus of a Gaussian policy (Box
+        actions), in place of `entropy_cost`: a Gaussian's entropy grows without bound
+        with its std and the bonus raises every log-std at a constant rate, so continuous
+        control explores through the std alone by default (0, as CleanRL's MuJoCo PPO).
     """
 
     normalize_observations: str = "auto"
     normalize_rewards: str = "auto"
     state_dependent_std: bool = False
+    gaussian_entropy_cost: float = 0.0
 
     def __post_init__(self):
         for name in ("normalize_observations", "normalize_rewards"):
             if getattr(self, name) not in SWITCHES:
                 raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
+        if not self.gaussian_entropy_cost >= 0.0:
+            raise ValueError(
+                f"gaussian_entropy_cost must be >= 0, got {self.gaussian_entropy_cost!r}")
 
 
 def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
@@ -73,6 +81,14 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
                                          env_spec.action_space))
     scale = switch_on(options.normalize_rewards, env_spec.action_space)
     return network, discount if scale else None
+
+
+def entropy_cost(config: ActorCriticOptions, action_space: gym.Space) -> float:
+    """The entropy bonus's weight for this action space: `gaussian_entropy_cost` for Box
+    actions, the config's `entropy_cost` for categorical ones."""
+    if isinstance(action_space, gym.spaces.Box):
+        return config.gaussian_entropy_cost
+    return config.entropy_cost
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:

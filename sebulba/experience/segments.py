@@ -90,6 +90,7 @@ def segment_layout(
     num_minibatches: int,
     num_shards: int = 1,
     expected_segments: int = 0,
+    agents_per_env: int = 1,
 ) -> SegmentLayout:
     """Checks and returns the segment layout of a run.
 
@@ -100,7 +101,9 @@ def segment_layout(
       num_minibatches: minibatches per epoch, must divide the segments of one device.
       num_shards: learner devices of all processes.
       expected_segments: if not 0, the segments per update (all devices) the caller
-        sized for; it must equal what the envs produce exactly.
+        sized for; it must equal what the envs produce exactly: slots = agents x
+        segments per agent, where an agent is an env, or one of the K agents of a
+        multi-agent env (`agents_per_env`; `envs_per_shard` then counts agent rows).
     Raises:
       ValueError naming the numbers that do not fit.
     """
@@ -111,6 +114,17 @@ def segment_layout(
             "(0 means the whole trajectory): a segment may not span two inference cycles")
     layout = SegmentLayout(envs_per_shard, steps_per_cycle, horizon, num_minibatches, num_shards)
     if expected_segments and expected_segments != layout.total_segments:
+        if agents_per_env > 1:
+            agents = envs_per_shard * num_shards
+            empty = expected_segments - layout.total_segments
+            what = (f"{empty:,} slots would stay empty" if empty > 0
+                    else f"{-empty:,} segments would find no slot")
+            raise ValueError(
+                f"the buffer was sized for {expected_segments:,} segments, but "
+                f"{agents // agents_per_env:,} envs x {agents_per_env} agents = {agents:,} "
+                f"agents x {steps_per_cycle} steps / bptt_horizon={horizon} fill "
+                f"{layout.total_segments:,} per update: {what}; sizes must match exactly "
+                "(slots = agents x segments per agent)")
         raise ValueError(
             f"the buffer was sized for {expected_segments} segments, but the envs fill "
             f"{layout.total_segments} per update ({envs_per_shard} envs x {num_shards} "

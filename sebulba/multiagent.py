@@ -1,0 +1,228 @@
+"""Multi-agent envs: PettingZoo Parallel envs as an env source of agent rows.
+
+An env with K agents (PettingZoo's `possible_agents`) gives K rows, env-major: row
+`i * K + j` is agent j of env i (seed 001's table). The rest of the framework sees a
+group of N envs as N x K acting streams, exactly as it sees N single-agent envs, so
+agents, trajectories, `shard_step_state` and the learner need no multi-agent code; a
+single-agent env is the case K = 1.
+
+Episodes follow Gymnasium's NEXT_STEP autoreset, per env: once every agent of an env
+has left its episode (PettingZoo's `agents` is empty), the next send resets that env,
+and its rows start with `first` and a zero reward. An agent that leaves before the
+others (its row terminated or truncated while the env goes on) is *padding* until the
+reset: its rows hold a zero observation and are marked `first` and `terminated`, so
+every agent's loss masks them (an action at a last step is ignored; see
+`agents.common.returns.action_mask`), no return crosses them, and no recurrent state
+carries over. Padding steps are counted apart (`ParallelEnvSource.padding_steps`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from sebulba import observations
+from sebulba.envs import action_to_env, check_spaces
+from sebulba.types import EnvSpec, EnvStep
+
+ParallelEnvFactory = Callable[[], Any]
+
+
+def make_parallel_env(env: str | ParallelEnvFactory,
+                      env_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """One PettingZoo Parallel env: `env` is a module following PettingZoo's convention
+    (`mpe2.simple_spread_v3`, whose `parallel_env(**env_kwargs)` makes one) or a factory."""
+    if isinstance(env, str):
+        try:
+            module = importlib.import_module(env)
+        except ImportError as e:
+            raise ValueError(
+                f"vectorization 'pettingzoo' needs a module with a parallel_env() function "
+                f"(e.g. 'mpe2.simple_spread_v3'); importing {env!r} failed: {e}") from None
+        if not callable(getattr(module, "parallel_env", None)):
+            raise ValueError(f"module {env!r} has no parallel_env() function, so it is not a "
+                             "PettingZoo env module")
+        parallel = module.parallel_env(**(env_kwargs or {}))
+    else:
+        if env_kwargs:
+            raise ValueError(f"env_kwargs {dict(env_kwargs)!r} given with the factory {env!r}; "
+                             "bind them in the factory")
+        parallel = env()
+    _check_parallel(parallel, env)
+    return parallel
+
+
+def _check_parallel(parallel: Any, env: Any) -> None:
+    from pettingzoo import ParallelEnv
+
+    if not isinstance(parallel, ParallelEnv):
+        kind = "an AEC env: convert it with pettingzoo.utils.aec_to_parallel" if hasattr(
+            parallel, "agent_iter") else f"a {type(parallel).__name__}"
+        raise TypeError(f"env {env!r} made {kind}, not a PettingZoo ParallelEnv")
+
+
+def parallel_env_spec(env: str | ParallelEnvFactory,
+                      env_kwargs: Mapping[str, Any] | None = None,
+                      agent_ids: bool = False) -> EnvSpec:
+    """The spec of a PettingZoo Parallel env: one agent's spaces and K agents per env.
+
+    Every agent must have the same spaces (one shared policy acts for all of them).
+    With `agent_ids` the observation is a flat Box extended by a one-hot of the agent.
+    """
+    parallel = make_parallel_env(env, env_kwargs)
+    try:
+        agents = list(parallel.possible_agents)
+        if not agents:
+            raise ValueError(f"env {env!r} has no possible_agents")
+        obs_space = parallel.observation_space(agents[0])
+        action_space = parallel.action_space(agents[0])
+        for agent in agents[1:]:
+            if (parallel.observation_space(agent) != obs_space
+                    or parallel.action_space(agent) != action_space):
+                raise ValueError(
+                    f"env {env!r}: agent {agent!r} has observation space "
+                    f"{parallel.observation_space(agent)} and action space "
+                    f"{parallel.action_space(agent)}, but {agents[0]!r} has {obs_space} and "
+                    f"{action_space}; sebulba needs every agent of an env to share its "
+                    "spaces (one shared policy); pad them to common spaces")
+        if agent_ids:
+            obs_space = with_agent_id_space(obs_space, len(agents))
+        check_spaces(obs_space, action_space)
+        return EnvSpec(obs_space, action_space, agents_per_env=len(agents))
+    finally:
+        parallel.close()
+
+
+def with_agent_id_space(space: gym.Space, num_agents: int) -> gym.spaces.Box:
+    """A flat Box observation space extended by a one-hot of `num_agents` agents."""
+    if not (isinstance(space, gym.spaces.Box) and len(space.shape) == 1):
+        raise ValueError(f"agent_ids appends a one-hot to flat Box observations, got {space}")
+    low = np.concatenate([space.low, np.zeros(num_agents, space.dtype)])
+    high = np.concatenate([space.high, np.ones(num_agents, space.dtype)])
+    return gym.spaces.Box(low, high, dtype=space.dtype)
+
+
+class ParallelEnvSource:
+    """N PettingZoo Parallel envs of K agents as one group of N x K rows, env-major.
+
+    The env-source interface of `sebulba.envs.VectorEnvSource`: recv returns every row
+    in order. `padding_steps` counts the row steps of agents that had left their episode
+    while their env went on; `pop_team_episodes()` returns the (team return, length) of
+    the env episodes that ended since the last call, the team return being the sum of
+    the env's agents' returns.
+    """
+
+    num_groups = 1
+    in_order = True
+
+    def __init__(self, envs: list[Any], agent_ids: bool = False):
+        if not envs:
+            raise ValueError("ParallelEnvSource needs at least one env")
+        self.envs = envs
+        self.agents = list(envs[0].possible_agents)
+        k = self.agents_per_env = len(self.agents)
+        self.num_envs = self.group_size = len(envs) * k
+        self._ids = np.arange(self.num_envs)
+        space = envs[0].observation_space(self.agents[0])
+        self._obs_shape, self._obs_dtype = space.shape, observations.host_dtype(space)
+        self._one_hot = np.eye(k, dtype=self._obs_dtype) if agent_ids else None
+        self._to_env = action_to_env(envs[0].action_space(self.agents[0]))
+        rows = self.num_envs
+        self._live = np.zeros(rows, bool)  # the row's agent is in its env's episode
+        self._needs_reset = np.ones(len(envs), bool)
+        self._returns = np.zeros(rows, np.float64)
+        self._lengths = np.zeros(rows, np.int64)
+        self._env_lengths = np.zeros(len(envs), np.int64)
+        self._acted = False
+        self._result: tuple | None = None
+        self._ended: list[tuple[float, int]] = []
+        self._team_ended: list[tuple[float, int]] = []
+        self.padding_steps = 0
+
+    def reset(self, seed: int) -> None:
+        obs = np.zeros((self.num_envs, *self._obs_shape), self._obs_dtype)
+        first = np.zeros(self.num_envs, bool)
+        for i, env in enumerate(self.envs):
+            self._reset_env(i, env, seed + i, obs, first)
+        zeros = np.zeros(self.num_envs, bool)
+        self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros, first)
+
+    def _reset_env(self, i: int, env: Any, seed: int | None, obs: np.ndarray,
+                   first: np.ndarray) -> None:
+        env_obs, _ = env.reset(seed=seed)
+        k = self.agents_per_env
+        rows = slice(i * k, (i + 1) * k)
+        self._live[rows] = False
+        for j, agent in enumerate(self.agents):
+            if agent in env.agents:
+                obs[i * k + j] = env_obs[agent]
+                self._live[i * k + j] = True
+        first[rows] = True
+        self._returns[rows] = 0.0
+        self._lengths[rows] = 0
+        self._env_lengths[i] = 0
+        self._needs_reset[i] = False
+
+    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
+        obs, reward, terminated, truncated, first = self._result
+        if self._one_hot is not None:
+            obs = np.concatenate([obs, np.tile(self._one_hot, (len(self.envs), 1))], axis=1)
+        ended, self._ended = self._ended, []
+        steps = self.num_envs if self._acted else 0
+        return self._ids, EnvStep(obs, reward, terminated, truncated, first), ended, steps
+
+    def pop_team_episodes(self) -> list[tuple[float, int]]:
+        ended, self._team_ended = self._team_ended, []
+        return ended
+
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
+        actions = self._to_env(np.asarray(actions))
+        k, rows = self.agents_per_env, self.num_envs
+        obs = np.zeros((rows, *self._obs_shape), self._obs_dtype)
+        reward = np.zeros(rows, np.float32)
+        terminated = np.zeros(rows, bool)
+        truncated = np.zeros(rows, bool)
+        first = np.zeros(rows, bool)
+        for i, env in enumerate(self.envs):
+            if self._needs_reset[i]:
+                self._reset_env(i, env, None, obs, first)
+                continue
+            base = i * k
+            was_live = self._live[base:base + k].copy()
+            env_obs, env_reward, env_term, env_trunc, _ = env.step(
+                {a: actions[base + j] for j, a in enumerate(self.agents) if was_live[j]})
+            self._env_lengths[i] += 1
+            for j, agent in enumerate(self.agents):
+                row = base + j
+                if not was_live[j]:
+                    if agent in env.agents:  # joined the running episode: it starts here
+                        obs[row] = env_obs[agent]
+                        first[row] = self._live[row] = True
+                        self._returns[row] = self._lengths[row] = 0
+                    else:  # padding until its env resets
+                        first[row] = terminated[row] = True
+                        self.padding_steps += 1
+                    continue
+                obs[row] = env_obs[agent]
+                reward[row] = env_reward[agent]
+                terminated[row] = env_term[agent]
+                truncated[row] = env_trunc[agent] and not env_term[agent]
+                self._returns[row] += reward[row]
+                self._lengths[row] += 1
+                if terminated[row] or truncated[row]:
+                    self._live[row] = False
+                    self._ended.append((float(self._returns[row]), int(self._lengths[row])))
+            if not env.agents:
+                self._needs_reset[i] = True
+                team = float(self._returns[base:base + k].sum())
+                self._team_ended.append((team, int(self._env_lengths[i])))
+        self._acted = True
+        self._result = (obs, reward, terminated, truncated, first)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
