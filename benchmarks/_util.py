@@ -254,9 +254,9 @@ def measure(loop, cycles: int) -> dict[str, Any]:
     of one group, to compare with the bounds.
     """
     cfg = loop.config
-    result = loop.run(cycles * cfg.steps_per_cycle * cfg.envs_per_group * cfg.num_groups,
-                      learn=False)
-    vector_steps = result.env_steps / cfg.envs_per_group
+    rows = loop.rows_per_group  # envs, or envs x agents of a multi-agent env
+    result = loop.run(cycles * cfg.steps_per_cycle * rows * cfg.num_groups, learn=False)
+    vector_steps = result.env_steps / rows
     return {
         "vectorization": cfg.vectorization, "async_factor": cfg.async_factor,
         "envs_per_group": cfg.envs_per_group, "steps_per_cycle": cfg.steps_per_cycle,

@@ -204,6 +204,24 @@ def test_statistics_are_learnt_published_to_every_inference_device_and_checkpoin
     assert float(count) == result.consumed + resumed.consumed
 
 
+@pytest.mark.timeout(120)
+def test_mountain_car_continuous_runs_with_one_dimensional_actions(no_leftovers):
+    """MountainCarContinuous-v0: Box(1,) actions in [-1, 1], episodes of at most 999 steps
+    (the initial Gaussian, std 1, sometimes reaches the goal: returns near 70), observations
+    (position, velocity) on very different scales."""
+    env = "MountainCarContinuous-v0"
+    config = sebulba.Config(env=env, envs_per_group=8, steps_per_cycle=32, async_factor=1,
+                            seed=0)
+    agent = PPO(sebulba.env_spec(env))
+    assert agent.env_spec.action_space.shape == (1,)
+    result = sebulba.Sebulba(agent, config).run(8 * 32 * 40)
+    assert result.episodes and all(0 < length <= 999 for _, _, length in result.episodes)
+    moments = result.state.nets[normalization.COLLECTION]["torso"]["layers_0"]["observation"]
+    mean, var = np.asarray(moments["mean"]), np.asarray(moments["var"])
+    # positions start in [-0.6, -0.4] and stay in [-1.2, 0.6]; velocities within 0.07
+    assert -1.2 <= mean[0] <= 0.6 and abs(mean[1]) <= 0.07 and var[1] < var[0]
+
+
 # Learning.
 
 
