@@ -156,6 +156,8 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         super().__init__(env_spec)
         self.config = config = config.for_actions(env_spec.action_space)
         self.entropy_cost = policy.entropy_cost(config, env_spec.action_space)
+        # A centralized value needs each minibatch to hold whole envs: K segments at a time.
+        self.central_agents = env_spec.agents_per_env if config.central_value else 1
         self.network, self.return_discount = policy.actor_critic_network(
             env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
             config.discount)
@@ -176,9 +178,16 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         self, nets: Nets, key: jax.Array, layout: sebulba.Layout
     ) -> PPOExperience:
         # An update's shard has K x E / L rows: K trajectories joined along the env axis.
-        self._segment_layout(layout.envs_per_update_shard, layout.steps_per_cycle,
-                             layout.num_learner_devices * layout.num_processes,
-                             layout.agents_per_env)
+        seg = self._segment_layout(layout.envs_per_update_shard, layout.steps_per_cycle,
+                                   layout.num_learner_devices * layout.num_processes,
+                                   layout.agents_per_env)
+        groups = seg.num_segments // self.central_agents
+        if groups % self.config.num_minibatches:
+            raise ValueError(
+                f"num_minibatches={self.config.num_minibatches} must divide the {groups} "
+                f"envs x segments of each learner device: a centralized value "
+                f"(central_value) keeps each env's {self.central_agents} agents in one "
+                "minibatch")
         # A placeholder built by the same function as real experience, so its structure
         # and shapes are exactly what update_experience returns (the buffers are donated).
         zeros = sebulba.zeros_trajectory(
@@ -241,10 +250,14 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
             mask=cut(jax.vmap(action_mask)(steps.terminated, steps.truncated)),
             core=segments.segment_starts(cores, horizon),
         )
+        if self.central_agents > 1:  # whole envs per minibatch, their agents adjacent
+            batch = jax.tree.map(
+                lambda x: segments.group_by_env(x, self.central_agents, num_envs), batch)
         key, plan_key = jax.random.split(key)
         beta = segments.annealed_beta(cfg.prio_beta0, updates, cfg.prio_beta_anneal_updates)
         plan = segments.plan_minibatches(plan_key, batch.advantage, cfg.num_epochs,
-                                         cfg.num_minibatches, cfg.prio_alpha, beta)
+                                         cfg.num_minibatches, cfg.prio_alpha, beta,
+                                         self.central_agents)
         return PPOExperience(batch, plan.indices, plan.weights, jnp.zeros((), jnp.int32),
                              updates + 1, key)
 

@@ -32,6 +32,10 @@ def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, obje
         entry = AGENTS.get(meta["agent"])
         if entry is None:
             raise ValueError(f"checkpoint agent {meta['agent']!r} is not one of {sorted(AGENTS)}")
+        if meta.get("vectorization") == "pettingzoo":
+            raise ValueError(
+                f"checkpoint {path!r} is of a multi-agent run (vectorization 'pettingzoo'); "
+                "evaluating multi-agent policies is not supported yet")
         config = entry.config_class(**{
             k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
         agent = entry.build(

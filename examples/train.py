@@ -62,8 +62,7 @@ _AGENT_FLAGS = {
 
 
 def build(agent_name: str, agent_config, config: sebulba.Config) -> sebulba.Sebulba:
-    spec = sebulba.env_spec(config.env, config.env_kwargs, config.vectorization)
-    agent = AGENTS[agent_name].build(spec, agent_config)
+    agent = AGENTS[agent_name].build(config.env_spec(), agent_config)
     return sebulba.Sebulba(agent, config)
 
 
@@ -71,7 +70,7 @@ def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
     """What a checkpoint records to rebuild (and check) the agent and its env."""
     return {"agent": agent_name, "agent_config": dataclasses.asdict(agent_config),
             "env": config.env, "env_kwargs": dict(config.env_kwargs),
-            "vectorization": config.vectorization}
+            "vectorization": config.vectorization, "agent_ids": config.agent_ids}
 
 
 def main(argv: list[str]) -> None:

@@ -232,15 +232,20 @@ class RunResult:
 
     def summary(self) -> str:
         d = self.as_dict()
+        unit = "agent steps" if self.agents_per_env > 1 else "env steps"
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in d["stage_seconds"].items())
         return "\n".join([
-            f"env steps {d['env_steps']:,} = consumed {d['consumed']:,} + dropped "
+            f"{unit} {d['env_steps']:,} = consumed {d['consumed']:,} + dropped "
             f"{d['dropped']:,} + in flight {d['in_flight']:,}",
-            f"{d['wall_seconds']:.1f}s, {d['steps_per_second']:,.0f} env steps/s, "
+            f"{d['wall_seconds']:.1f}s, {d['steps_per_second']:,.0f} {unit}/s, "
             f"{d['learner_updates']} learner updates",
             f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.1f}",
             f"policy lag mean {d['policy_lag_mean']:.2f}, max {d['policy_lag_max']}",
             f"time by stage (summed over threads): {stages}",
+            *([f"{d['agents_per_env']} agents per env: {d['team_steps']:,} env steps, "
+               f"{d['padding_steps']:,} padding agent steps, {d['team_episodes']} env "
+               f"episodes, mean team return (last 10%) {d['mean_team_return_last_10pct']:.1f}"]
+              if "agents_per_env" in d else []),
             f"last metrics: {json.dumps(d['metrics'])}",
         ])
 

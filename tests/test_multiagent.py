@@ -241,3 +241,58 @@ def test_simple_spread_runs_three_agents_per_env_through_the_loop(no_leftovers):
     # simple_spread's rewards are negative distances: every episode's return is below 0
     assert result.team_episodes and all(ret < 0 for _, ret, _ in result.team_episodes)
     assert result.padding_steps == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("agent_cls,config_cls", [(PPO, PPOConfig), (IMPALA, IMPALAConfig)])
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_a_central_value_sees_the_env_s_other_agents_and_the_policy_does_not(
+        agent_cls, config_cls, use_lstm):
+    spec = sebulba.env_spec(ROLE_CALL, {}, "pettingzoo", agent_ids=True)
+    agent = agent_cls(spec, config_cls(central_value=True, use_lstm=use_lstm))
+    nets = agent.new_networks(jax.random.key(0))
+    k, n = 3, 2
+    obs = np.random.default_rng(0).normal(size=(n * k, 1) + spec.obs_shape).astype(np.float32)
+    changed = obs.copy()
+    changed[1] += 1.0  # env 0's agent 1 sees something else
+
+    def outputs(o):
+        state = agent.network.initial_state(n * k)
+        _, out = agent.network.apply(nets, state, o, np.zeros((n * k, 1), bool))
+        return np.asarray(out.policy.logits[:, 0]), np.asarray(out.value[:, 0])
+
+    (logits, value), (logits2, value2) = outputs(obs), outputs(changed)
+    # the policy of agent 0 is its own; its value now depends on agent 1's observation
+    np.testing.assert_array_equal(logits[0], logits2[0])
+    assert not np.allclose(logits[1], logits2[1])
+    assert not np.allclose(value[[0, 2]], value2[[0, 2]])
+    # env 1's agents are another env: nothing of theirs changed
+    np.testing.assert_array_equal(value[k:], value2[k:])
+
+
+@pytest.mark.timeout(60)
+def test_a_central_value_needs_a_multiagent_env():
+    with pytest.raises(ValueError, match="central_value needs a multi-agent env"):
+        PPO(sebulba.env_spec("CartPole-v1"), PPOConfig(central_value=True))
+
+
+@pytest.mark.timeout(60)
+def test_minibatches_keep_each_env_s_agents_together():
+    from sebulba.experience import segments
+
+    rows, chunks, k = 6, 4, 3  # 2 envs of 3 agents, 4 segments per row
+    seg = np.arange(rows * chunks)  # to_segments order: row * chunks + chunk
+    grouped = np.asarray(segments.group_by_env(jax.numpy.asarray(seg), k, rows))
+    row, chunk = grouped // chunks, grouped % chunks
+    groups = row.reshape(-1, k), chunk.reshape(-1, k)
+    # each run of K segments: one env's K agents at one chunk
+    assert (groups[0] // k == groups[0][:, :1] // k).all() and (groups[1] == groups[1][:, :1]).all()
+    np.testing.assert_array_equal(groups[0] % k, np.tile(np.arange(k), (rows * chunks // k, 1)))
+    adv = jax.numpy.ones((rows * chunks, 5))
+    for alpha in (0.0, 0.6):
+        plan = segments.plan_minibatches(jax.random.key(0), adv, 2, 2, alpha, 0.4, group_size=k)
+        idx = np.asarray(plan.indices)
+        assert idx.shape == (4, rows * chunks // 2) if alpha == 0 else idx.shape[0] == 4
+        np.testing.assert_array_equal(idx.reshape(4, -1, k) % k, np.broadcast_to(
+            np.arange(k), idx.reshape(4, -1, k).shape))
+        assert (idx.reshape(4, -1, k)[..., 0] % k == 0).all()

@@ -161,6 +161,11 @@ class PolicyValueHead(nn.Module):
     `distributions.policy_head_for(action_space)`) and a state value, each behind its
     own tanh MLP.
 
+    With `central_agents` K > 1 (MAPPO's centralized critic for multi-agent envs) the
+    value sees, beside the row's own features, those of all K agents of the row's env:
+    every batch must hold whole envs, env-major (`joint_features`); the policy still sees
+    only its own.
+
     With `hidden_sizes` () both are linear in the features (a shared torso and core);
     with hidden layers, the policy and the value get separate MLPs, as CleanRL's actor
     and critic: on CartPole-v1 the value loss, much larger than the policy's, otherwise
@@ -170,15 +175,31 @@ class PolicyValueHead(nn.Module):
 
     policy_head: nn.Module
     hidden_sizes: Sequence[int] = ()
+    central_agents: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> PolicyValue:
         policy = MLP(tuple(self.hidden_sizes), name="policy_torso")(x) if self.hidden_sizes \
             else x
         dist = self.policy_head(policy)
+        if self.central_agents > 1:
+            x = jnp.concatenate([x, joint_features(x, self.central_agents)], axis=-1)
         value = MLP(tuple(self.hidden_sizes), name="value_torso")(x) if self.hidden_sizes else x
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value")(value)
         return PolicyValue(dist, value[..., 0])
+
+
+def joint_features(x: jax.Array, num_agents: int) -> jax.Array:
+    """Each row's env's features: [B, T, F] rows env-major (K agents of an env adjacent)
+    -> [B, T, K x F], the K agents' features concatenated, the same for the K rows."""
+    b, t, f = x.shape
+    if b % num_agents:
+        raise ValueError(f"a centralized value needs whole envs of {num_agents} agents in "
+                         f"each batch, got a batch of {b} rows")
+    joint = x.reshape(b // num_agents, num_agents, t, f).transpose(0, 2, 1, 3)
+    joint = joint.reshape(b // num_agents, 1, t, num_agents * f)
+    return jnp.broadcast_to(joint, (b // num_agents, num_agents, t, num_agents * f)).reshape(
+        b, t, num_agents * f)
 
 
 class DuelingQHead(nn.Module):
@@ -223,9 +244,10 @@ class Unroll(nn.Module):
 
 def init(network: Unroll, key: jax.Array, observation_space: gym.Space) -> Params:
     """Parameters of `network` for observations of `observation_space` (one env)."""
-    obs = jnp.zeros((1, 1) + tuple(observation_space.shape),
+    batch = getattr(network.head, "central_agents", 1)  # one env's agents, for a central value
+    obs = jnp.zeros((batch, 1) + tuple(observation_space.shape),
                     observations.host_dtype(observation_space))
-    return network.init(key, network.initial_state(1), obs, jnp.ones((1, 1), bool))
+    return network.init(key, network.initial_state(batch), obs, jnp.ones((batch, 1), bool))
 
 
 def act(network: Unroll, params: Params, state: CoreState, obs: jax.Array,
@@ -263,14 +285,15 @@ def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
 def actor_critic(action_space: gym.Space, observation_space: gym.Space,
                  hidden_sizes: Sequence[int], lstm_size: int = 0, *,
                  state_dependent_std: bool = False,
-                 normalize_observations: bool = False) -> Unroll:
+                 normalize_observations: bool = False, central_agents: int = 1) -> Unroll:
     """The policy/value network agents share, for an observation and an action space
     (the policy's distribution: `distributions.policy_head_for`).
 
     With `normalize_observations`, vector observations are standardized by running
     moments held in the networks' "normalization" collection
     (`normalization.ObservationNormalizer`; frames are scaled to [0, 1] and discrete
-    observations one-hot encoded instead).
+    observations one-hot encoded instead). With `central_agents` K > 1 the value is
+    centralized over the K agents of each env (`PolicyValueHead`).
 
     - frames: Nature CNN torso shared by linear policy and value heads (pixels are
       expensive to encode twice), then the core;
@@ -283,7 +306,7 @@ def actor_critic(action_space: gym.Space, observation_space: gym.Space,
     kind = observations.kind(observation_space)
     if kind == observations.IMAGE:
         return Unroll(torso_for(observation_space, ()), core_for(lstm_size),
-                      PolicyValueHead(head))
+                      PolicyValueHead(head, central_agents=central_agents))
     normalize = normalize_observations and kind == observations.VECTOR
     rank = len(observation_space.shape)
 
@@ -294,6 +317,6 @@ def actor_critic(action_space: gym.Space, observation_space: gym.Space,
 
     if lstm_size:
         return Unroll(normalized(torso_for(observation_space, hidden_sizes)),
-                      LSTMCore(lstm_size), PolicyValueHead(head))
+                      LSTMCore(lstm_size), PolicyValueHead(head, central_agents=central_agents))
     return Unroll(normalized(encoder_for(observation_space)), NoCore(),
-                  PolicyValueHead(head, tuple(hidden_sizes)))
+                  PolicyValueHead(head, tuple(hidden_sizes), central_agents))

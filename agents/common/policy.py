@@ -53,12 +53,16 @@ class ActorCriticOptions:
         actions), in place of `entropy_cost`: a Gaussian's entropy grows without bound
         with its std and the bonus raises every log-std at a constant rate, so continuous
         control explores through the std alone by default (0, as CleanRL's MuJoCo PPO).
+      central_value: multi-agent envs: the value function also sees the features of all
+        agents of the row's env (MAPPO's centralized critic); the policy sees only its
+        own observation, so acting stays decentralized.
     """
 
     normalize_observations: str = "auto"
     normalize_rewards: str = "auto"
     state_dependent_std: bool = False
     gaussian_entropy_cost: float = 0.0
+    central_value: bool = False
 
     def __post_init__(self):
         for name in ("normalize_observations", "normalize_rewards"):
@@ -74,9 +78,13 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
                          discount: float) -> tuple[networks.Unroll, float | None]:
     """The agent's network for its env and options, and the discount its actors accumulate
     returns with for reward scaling (None: rewards are not scaled)."""
+    if options.central_value and env_spec.agents_per_env == 1:
+        raise ValueError("central_value needs a multi-agent env (agents_per_env > 1), got "
+                         f"{env_spec}")
     network = networks.actor_critic(
         env_spec.action_space, env_spec.observation_space, hidden_sizes, lstm_size,
         state_dependent_std=options.state_dependent_std,
+        central_agents=env_spec.agents_per_env if options.central_value else 1,
         normalize_observations=switch_on(options.normalize_observations,
                                          env_spec.action_space))
     scale = switch_on(options.normalize_rewards, env_spec.action_space)

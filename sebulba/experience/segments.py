@@ -156,6 +156,20 @@ def from_segments(x: jax.Array, num_envs: int) -> jax.Array:
     return x.reshape((num_envs, n // num_envs * h) + x.shape[2:])
 
 
+def group_by_env(x: jax.Array, agents_per_env: int, num_rows: int) -> jax.Array:
+    """Reorders segments from `to_segments`' (row, chunk) order to (env, chunk, agent), so
+    that the K agents of an env at one chunk are K adjacent segments.
+
+    Args:
+      x: [E x C, ...] segments (or segment starts) of E rows env-major, C chunks each.
+    Returns:
+      [E x C, ...]: entry ((e x C) + c) x K + j is agent j of env e, chunk c.
+    """
+    k, chunks = agents_per_env, x.shape[0] // num_rows
+    y = x.reshape((num_rows // k, k, chunks) + x.shape[1:])
+    return jnp.swapaxes(y, 1, 2).reshape(x.shape)
+
+
 def segment_starts(x: PyTree, horizon: int) -> PyTree:
     """The entries at each segment's first step, e.g. the actor's recurrent state.
 
@@ -232,8 +246,13 @@ def plan_minibatches(
     num_minibatches: int,
     alpha: float,
     beta: jax.Array | float,
+    group_size: int = 1,
 ) -> MinibatchPlan:
     """Samples every minibatch of an update at once (one compiled call, no host loop).
+
+    With `group_size` G > 1, segments [g x G, (g + 1) x G) form group g and are sampled
+    together (adjacent, in order) with the group's summed priority: a minibatch then holds
+    whole groups, e.g. the K agents of an env for a centralized value (`group_by_env`).
 
     Args:
       key: PRNG key.
@@ -245,6 +264,15 @@ def plan_minibatches(
     Returns:
       A MinibatchPlan.
     """
+    if group_size > 1:
+        n = advantages.shape[0]
+        plan = plan_minibatches(key, advantages.reshape(n // group_size, -1), num_epochs,
+                                num_minibatches, alpha, beta)
+        members = jnp.arange(group_size, dtype=jnp.int32)
+        indices = (plan.indices[..., None] * group_size + members).reshape(
+            plan.indices.shape[0], -1)
+        return MinibatchPlan(indices, jnp.repeat(plan.weights, group_size),
+                             jnp.repeat(plan.probabilities, group_size) / group_size)
     n = advantages.shape[0]
     size = n // num_minibatches
     probabilities = segment_probabilities(advantages, alpha)
