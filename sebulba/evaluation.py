@@ -41,17 +41,24 @@ def evaluate(
     max_env_steps: int = 10_000_000,
     vectorization: str = "sync",
 ) -> EvaluationResult:
-    """Runs `agent` (greedy or sampled) until `num_episodes` episodes have ended.
+    """Runs `agent` (greedy or sampled) for `num_episodes` complete episodes.
 
     `nets` are the learner's networks (as a run or a checkpoint holds them); the agent
     acts on `agent.acting_nets(nets, 0)`, what the learner would publish.
 
-    The first `num_episodes` episodes to end are reported, whichever env they ran in.
+    Each of the `min(num_envs, num_episodes)` envs runs a fixed number of complete
+    episodes (the counts differ by at most one), decided before any episode ends, and
+    the results are listed env by env. Taking the first `num_episodes` episodes to end,
+    whichever env they ran in, would favour short episodes (in a cart-pole, the failures).
     `vectorization` is "sync" or, for ids whose own vector env preprocesses (Atari),
     "vector_entry_point".
     """
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
+    num_envs = min(num_envs, num_episodes)
+    quota = np.full(num_envs, num_episodes // num_envs)
+    quota[:num_episodes % num_envs] += 1
+    per_env: list[list[tuple[float, int]]] = [[] for _ in range(num_envs)]
     act = jax.jit(agent.greedy_step if greedy else agent.step)
     nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
     vec = make_vector_env(env, num_envs, vectorization, env_kwargs)
@@ -60,19 +67,24 @@ def evaluate(
         source.reset(seed=seed)
         ids, env_step, _, _ = source.recv()
         step_state = agent.new_step_state(nets, jax.random.key(seed), num_envs)
-        ended: list[tuple[float, int]] = []
         for _ in range(max_env_steps // num_envs):
             output, step_state = act(step_state, nets, env_step)
             source.send(np.asarray(output.action), ids)
             _, env_step, finished, _ = source.recv()
-            ended += finished
-            if len(ended) >= num_episodes:
-                break
+            if finished:  # the tracker lists ended episodes in env order
+                ended_envs = np.flatnonzero(np.asarray(env_step.terminated | env_step.truncated))
+                for i, episode in zip(ended_envs, finished, strict=True):
+                    if len(per_env[i]) < quota[i]:
+                        per_env[i].append(episode)
+                if all(len(eps) == q for eps, q in zip(per_env, quota, strict=True)):
+                    break
         else:
-            raise RuntimeError(f"only {len(ended)} episodes ended within {max_env_steps} steps")
+            done = sum(len(eps) for eps in per_env)
+            raise RuntimeError(f"only {done} of {num_episodes} episodes ended within "
+                               f"{max_env_steps} steps")
     finally:
         close_vector_env(vec)
-    ended = ended[:num_episodes]
+    ended = [episode for eps in per_env for episode in eps]
     return EvaluationResult([r for r, _ in ended], [n for _, n in ended])
 
 

@@ -1,0 +1,42 @@
+"""Evaluation reports complete episodes, a fixed number per env."""
+
+import gymnasium as gym
+import jax
+import numpy as np
+import pytest
+
+import sebulba
+from agents.spg import SPG
+from sebulba.evaluation import evaluate
+
+
+class ShortOrLong(gym.Env):
+    """Episodes of 2 steps in envs reset first with an even seed, of 20 with an odd one;
+    the return is the length (reward 1 per step)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.length = 2 if seed % 2 == 0 else 20
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(1, np.float32), 1.0, self.t == self.length, False, {}
+
+
+@pytest.mark.timeout(60)
+def test_each_env_runs_its_share_of_episodes_so_short_ones_are_not_favoured():
+    agent = SPG(sebulba.env_spec(ShortOrLong))
+    nets = agent.new_networks(jax.random.key(0))
+    result = evaluate(agent, nets, ShortOrLong, 6, num_envs=2, seed=0)
+    # env 0 (seed 0) ends every 2 steps, env 1 every 20: the first six episodes to end
+    # would all be short ones; three of each is what the policy's return is
+    assert result.returns == [2.0] * 3 + [20.0] * 3
+    assert result.lengths == [2] * 3 + [20] * 3
+    # more envs than episodes: only as many envs as episodes run
+    assert evaluate(agent, nets, ShortOrLong, 1, num_envs=8, seed=1).returns == [20.0]
