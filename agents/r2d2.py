@@ -248,6 +248,8 @@ class R2D2OptState(NamedTuple):
 class R2D2(sebulba.Agent):
     """R2D2 for Discrete action spaces (see the module docstring)."""
 
+    needs_consecutive_trajectories = True  # sequences span an env's consecutive cycles
+
     def __init__(self, env_spec: sebulba.EnvSpec, config: R2D2Config = R2D2Config()):
         super().__init__(env_spec)
         if not isinstance(env_spec.action_space, gym.spaces.Discrete):

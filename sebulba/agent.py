@@ -101,6 +101,11 @@ class Agent(abc.ABC):
     all envs. Use typed keys (`jax.random.key`) so that a key is one 0-d leaf.
     """
 
+    # True for an agent that joins each env's consecutive trajectories (R2D2's sequences
+    # span cycles): the run then refuses `Config.drop_when_full`, which would silently
+    # join the trajectories on either side of a dropped one.
+    needs_consecutive_trajectories: bool = False
+
     def __init__(self, env_spec: EnvSpec):
         self.env_spec = env_spec
 

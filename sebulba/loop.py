@@ -85,6 +85,12 @@ class Sebulba:
             raise ValueError(
                 f"the agent was built for {agent.env_spec}, but env {config.env!r} has {spec}"
             )
+        if config.drop_when_full and agent.needs_consecutive_trajectories:
+            raise ValueError(
+                f"{type(agent).__name__} joins each env's consecutive trajectories into "
+                "sequences, so it needs every trajectory: with drop_when_full a dropped one "
+                "would join its neighbours into a sequence that never happened; use "
+                "drop_when_full=False (the learner then applies backpressure)")
         if config.desync_episodes:
             check_desync(config.env, config.env_kwargs)
         # A row is one acting stream: one env, or one agent of a multi-agent env.

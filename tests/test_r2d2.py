@@ -78,6 +78,17 @@ def test_config_errors_name_the_value_and_the_expectation():
         agent.new_state(agent.new_networks(jax.random.key(0)), jax.random.key(1), layout)
 
 
+@pytest.mark.timeout(60)
+def test_dropping_trajectories_is_refused_because_sequences_span_them():
+    # A sequence joins an env's consecutive trajectories: with drop_when_full the ones on
+    # either side of a dropped trajectory would become one sequence that never happened.
+    agent = R2D2(sebulba.env_spec("CartPole-v1"), R2D2Config())
+    with pytest.raises(ValueError, match=r"R2D2 joins each env's consecutive trajectories.*"
+                                         r"drop_when_full=False"):
+        sebulba.Sebulba(agent, sebulba.Config(env="CartPole-v1", drop_when_full=True))
+    sebulba.Sebulba(agent, sebulba.Config(env="CartPole-v1"))  # backpressure is fine
+
+
 @pytest.mark.timeout(240)
 def test_exploration_rates_spread_over_all_envs():
     agent = R2D2(SPEC, small_config())
