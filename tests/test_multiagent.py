@@ -296,3 +296,23 @@ def test_minibatches_keep_each_env_s_agents_together():
         np.testing.assert_array_equal(idx.reshape(4, -1, k) % k, np.broadcast_to(
             np.arange(k), idx.reshape(4, -1, k).shape))
         assert (idx.reshape(4, -1, k)[..., 0] % k == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_ppo_learns_simple_spread_and_a_central_value_is_no_worse():
+    """simple_spread_v3 (3 agents, 25 steps), 2M env steps (6M agent steps) each, seed 0.
+    Mean team return over the last 10%: a uniformly random policy scores -80.9 (300
+    episodes, standard error 1.4); measured 2026-11-23: independent values -50.4 (from
+    -67 in the first tenth), centralized value -50.5 (from -69); 13 to 14 min per run at
+    7k to 8k agent steps/s on 2 cores (the MPE envs step in Python)."""
+    pytest.importorskip("mpe2", reason="simple_spread needs the 'multiagent' extra (mpe2)")
+    returns = {}
+    for central in (False, True):
+        config = sebulba.Config(env=SIMPLE_SPREAD, vectorization="pettingzoo", seed=0)
+        agent = PPO(config.env_spec(), PPOConfig(central_value=central))
+        result = sebulba.Sebulba(agent, config).run(6_000_000)
+        returns[central] = result.mean_team_return(0.9, 1.0)
+    random_policy = -80.9
+    assert returns[False] >= random_policy + 20, returns
+    assert returns[True] >= returns[False] - 5, returns
