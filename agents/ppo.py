@@ -185,9 +185,9 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         if groups % self.config.num_minibatches:
             raise ValueError(
                 f"num_minibatches={self.config.num_minibatches} must divide the {groups} "
-                f"envs x segments of each learner device: a centralized value "
-                f"(central_value) keeps each env's {self.central_agents} agents in one "
-                "minibatch")
+                f"(env, segment) groups of each learner device ({seg.num_segments} "
+                f"segments / {self.central_agents} agents per env): a centralized value "
+                "(central_value) keeps each env's agents in one minibatch")
         # A placeholder built by the same function as real experience, so its structure
         # and shapes are exactly what update_experience returns (the buffers are donated).
         zeros = sebulba.zeros_trajectory(

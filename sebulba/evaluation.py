@@ -53,6 +53,9 @@ def evaluate(
     `vectorization` is "sync" or, for ids whose own vector env preprocesses (Atari),
     "vector_entry_point".
     """
+    if vectorization == "pettingzoo":
+        raise ValueError("evaluate runs single-agent envs; evaluating multi-agent policies "
+                         "(vectorization 'pettingzoo') is not supported yet")
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     num_envs = min(num_envs, num_episodes)

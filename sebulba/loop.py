@@ -26,7 +26,7 @@ from sebulba.envs import (
 )
 from sebulba.inferencer import ActingFunctions, EnvGroupRunner, EnvSource
 from sebulba.learner import Learner
-from sebulba.multiagent import ParallelEnvSource, make_parallel_env
+from sebulba.multiagent import ParallelEnvSource, make_parallel_envs
 from sebulba.types import AgentState, Nets, PyTree
 
 
@@ -265,8 +265,7 @@ class Sebulba:
                 for group in range(first, first + per_device):
                     if cfg.vectorization == "pettingzoo":
                         sources.append((group, device, ParallelEnvSource(
-                            [make_parallel_env(cfg.env, cfg.env_kwargs) for _ in range(size)],
-                            cfg.agent_ids)))
+                            make_parallel_envs(cfg.env, cfg.env_kwargs, size), cfg.agent_ids)))
                         continue
                     vec = make_vector_env(cfg.env, size, cfg.vectorization, cfg.env_kwargs,
                                           cfg.async_context, cfg.desync_episodes)

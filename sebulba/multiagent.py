@@ -137,6 +137,8 @@ class ParallelEnvSource:
         self._returns = np.zeros(rows, np.float64)
         self._lengths = np.zeros(rows, np.int64)
         self._env_lengths = np.zeros(len(envs), np.int64)
+        # each env episode's team return: its agents' rewards, whoever left or re-joined
+        self._team_returns = np.zeros(len(envs), np.float64)
         self._acted = False
         self._result: tuple | None = None
         self._ended: list[tuple[float, int]] = []
@@ -146,24 +148,31 @@ class ParallelEnvSource:
     def reset(self, seed: int) -> None:
         obs = np.zeros((self.num_envs, *self._obs_shape), self._obs_dtype)
         first = np.zeros(self.num_envs, bool)
+        terminated = np.zeros(self.num_envs, bool)
         for i, env in enumerate(self.envs):
-            self._reset_env(i, env, seed + i, obs, first)
-        zeros = np.zeros(self.num_envs, bool)
-        self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros, first)
+            self._reset_env(i, env, seed + i, obs, first, terminated)
+        truncated = np.zeros(self.num_envs, bool)
+        self._result = (obs, np.zeros(self.num_envs, np.float32), terminated, truncated, first)
 
     def _reset_env(self, i: int, env: Any, seed: int | None, obs: np.ndarray,
-                   first: np.ndarray) -> None:
+                   first: np.ndarray, terminated: np.ndarray) -> None:
+        """Env i's rows after a reset: its agents start; an agent the env does not field
+        at the reset (it may join later) is padding."""
         env_obs, _ = env.reset(seed=seed)
         k = self.agents_per_env
         rows = slice(i * k, (i + 1) * k)
-        self._live[rows] = False
         for j, agent in enumerate(self.agents):
-            if agent in env.agents:
-                obs[i * k + j] = env_obs[agent]
-                self._live[i * k + j] = True
+            row = i * k + j
+            self._live[row] = agent in env.agents
+            if self._live[row]:
+                obs[row] = env_obs[agent]
+            else:
+                terminated[row] = True
+                self.padding_steps += self._acted  # steps are counted once acting began
         first[rows] = True
         self._returns[rows] = 0.0
         self._lengths[rows] = 0
+        self._team_returns[i] = 0.0
         self._env_lengths[i] = 0
         self._needs_reset[i] = False
 
@@ -189,7 +198,7 @@ class ParallelEnvSource:
         first = np.zeros(rows, bool)
         for i, env in enumerate(self.envs):
             if self._needs_reset[i]:
-                self._reset_env(i, env, None, obs, first)
+                self._reset_env(i, env, None, obs, first, terminated)
                 continue
             base = i * k
             was_live = self._live[base:base + k].copy()
@@ -207,22 +216,50 @@ class ParallelEnvSource:
                         first[row] = terminated[row] = True
                         self.padding_steps += 1
                     continue
-                obs[row] = env_obs[agent]
-                reward[row] = env_reward[agent]
-                terminated[row] = env_term[agent]
-                truncated[row] = env_trunc[agent] and not env_term[agent]
+                if agent in env_obs:  # PettingZoo envs may omit a leaving agent's
+                    obs[row] = env_obs[agent]  # last observation: zeros then
+                reward[row] = env_reward.get(agent, 0.0)
+                terminated[row] = env_term.get(agent, False)
+                # an agent gone without either flag is treated as truncated
+                truncated[row] = not terminated[row] and (
+                    env_trunc.get(agent, False) or agent not in env.agents)
                 self._returns[row] += reward[row]
                 self._lengths[row] += 1
                 if terminated[row] or truncated[row]:
                     self._live[row] = False
                     self._ended.append((float(self._returns[row]), int(self._lengths[row])))
+            self._team_returns[i] += float(reward[base:base + k].sum())
             if not env.agents:
                 self._needs_reset[i] = True
-                team = float(self._returns[base:base + k].sum())
-                self._team_ended.append((team, int(self._env_lengths[i])))
+                self._team_ended.append((float(self._team_returns[i]),
+                                         int(self._env_lengths[i])))
         self._acted = True
         self._result = (obs, reward, terminated, truncated, first)
 
     def close(self) -> None:
-        for env in self.envs:
+        close_parallel_envs(self.envs)
+
+
+def close_parallel_envs(envs: list[Any]) -> None:
+    """Closes every env, even if closing one raises (the first error is re-raised)."""
+    error = None
+    for env in envs:
+        try:
             env.close()
+        except Exception as e:  # noqa: BLE001 - the others must still be closed
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def make_parallel_envs(env: str | ParallelEnvFactory, env_kwargs: Mapping[str, Any] | None,
+                       num_envs: int) -> list[Any]:
+    """`num_envs` Parallel envs; those made before one fails are closed."""
+    envs: list[Any] = []
+    try:
+        for _ in range(num_envs):
+            envs.append(make_parallel_env(env, env_kwargs))
+    except BaseException:
+        close_parallel_envs(envs)
+        raise
+    return envs

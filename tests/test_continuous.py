@@ -164,6 +164,24 @@ def test_moments_merge_batches_as_numpy_computes_them():
     np.testing.assert_allclose(moments["mean"], everything.mean(0), rtol=1e-5)
     np.testing.assert_allclose(moments["var"], everything.var(0), rtol=1e-4)
 
+    # Steps marked invalid (a multi-agent env's padding) leave the moments alone.
+    valid = rng.random((2, 4, 5)) < 0.6
+
+    @jax.jit
+    def merge_valid(moments, x, valid):
+        return jax.shard_map(lambda m, x, v: normalization._merged(m, x[0], 2, v[0]),
+                             mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec, spec),
+                             out_specs=jax.sharding.PartitionSpec())(moments, x, valid)
+
+    x = np.stack([batches[0], batches[1]])
+    masked = merge_valid(normalization.new_moments((3,)), x, valid)
+    kept = x[valid]
+    assert float(masked["count"]) == len(kept)
+    np.testing.assert_allclose(masked["mean"], kept.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(masked["var"], kept.var(0), rtol=1e-4)
+    unchanged = merge_valid(moments, x, np.zeros_like(valid))
+    jax.tree.map(np.testing.assert_array_equal, unchanged, moments)
+
 
 @pytest.mark.timeout(300)
 def test_statistics_are_learnt_published_to_every_inference_device_and_checkpointed(

@@ -316,3 +316,65 @@ def test_ppo_learns_simple_spread_and_a_central_value_is_no_worse():
     random_policy = -80.9
     assert returns[False] >= random_policy + 20, returns
     assert returns[True] >= returns[False] - 5, returns
+
+
+class ComingsAndGoings(ParallelEnv):
+    """Agent "b" is absent at the reset, joins after step 1, leaves (terminated) at step 2,
+    re-joins after step 3; everyone is truncated at step 4. Reward 1 per acting agent."""
+
+    possible_agents = ["a", "b"]
+    metadata = {"name": "comings_and_goings"}
+    render_mode = None
+
+    def observation_space(self, agent):
+        return gym.spaces.Box(0.0, 10.0, (1,), np.float32)
+
+    def action_space(self, agent):
+        return gym.spaces.Discrete(2)
+
+    def _obs(self):
+        return {a: np.array([self.t + 1], np.float32) for a in self.agents}
+
+    def reset(self, seed=None, options=None):
+        self.t, self.agents = 0, ["a"]
+        return self._obs(), {}
+
+    def step(self, actions):
+        acting = list(self.agents)
+        assert set(actions) == set(acting)
+        self.t += 1
+        rewards = {a: 1.0 for a in acting}
+        term = {a: (a == "b" and self.t == 2) for a in acting}
+        trunc = {a: self.t == 4 for a in acting}
+        obs = {a: np.array([self.t + 1], np.float32) for a in acting}
+        self.agents = [a for a in acting if not (term[a] or trunc[a])]
+        if self.t in (1, 3):
+            self.agents.append("b")
+            obs["b"] = np.array([self.t + 1], np.float32)
+        return obs, rewards, term, trunc, {a: {} for a in acting}
+
+
+@pytest.mark.timeout(60)
+def test_agents_absent_at_the_reset_or_rejoining_are_padding_until_they_start():
+    source = ParallelEnvSource([ComingsAndGoings()])
+    source.reset(seed=0)
+    rows = []
+    for _ in range(6):
+        ids, step, ended, _ = source.recv()
+        rows.append((step, ended))
+        source.send(np.zeros(2, np.int64), ids)
+    b = [(bool(s.first[1]), bool(s.terminated[1]), bool(s.truncated[1]), float(s.reward[1]))
+         for s, _ in rows]
+    assert b == [
+        (True, True, False, 0.0),    # absent at the reset: padding, masked
+        (True, False, False, 0.0),   # joins: a first step
+        (False, True, False, 1.0),   # leaves, terminated, after one action
+        (True, False, False, 0.0),   # re-joins
+        (False, False, True, 1.0),   # truncated with everyone
+        (True, True, False, 0.0),    # the next episode: absent again
+    ]
+    assert rows[0][0].obs[1, 0] == 0.0 and rows[1][0].obs[1, 0] == 2.0
+    assert sorted(e for _, ended in rows for e in ended) == [(1.0, 1), (1.0, 1), (4.0, 4)]
+    # the team return keeps b's reward from before it left: a's 4 + b's 2
+    assert source.pop_team_episodes() == [(6.0, 4)]
+    assert source.padding_steps == 1  # the second reset's (the first precedes acting)

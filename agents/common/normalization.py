@@ -57,41 +57,49 @@ def new_reward_moments() -> dict[str, jax.Array]:
     return new_moments(())
 
 
-def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int
-            ) -> dict[str, jax.Array]:
+def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
+            valid: jax.Array | None = None) -> dict[str, jax.Array]:
     """`moments` with the entries of `x` over its first `batch_axes` axes (on every learner
-    device of every process) added."""
+    device of every process) added; with `valid` (bool, x's batch shape) only those."""
     axes = tuple(range(batch_axes))
-    count = jnp.asarray(x.shape[:batch_axes], jnp.float32).prod()
-    total = jax.lax.psum(count, LEARNER_AXIS)
-    mean = jax.lax.psum(jnp.sum(x, axis=axes), LEARNER_AXIS) / total
-    m2 = jax.lax.psum(jnp.sum(jnp.square(x - mean), axis=axes), LEARNER_AXIS)
+    if valid is None:
+        valid = jnp.ones(x.shape[:batch_axes], bool)
+    w = valid.astype(jnp.float32).reshape(valid.shape + (1,) * (x.ndim - batch_axes))
+    total = jax.lax.psum(jnp.sum(w), LEARNER_AXIS)
+    safe_total = jnp.maximum(total, 1.0)
+    mean = jax.lax.psum(jnp.sum(w * x, axis=axes), LEARNER_AXIS) / safe_total
+    m2 = jax.lax.psum(jnp.sum(w * jnp.square(x - mean), axis=axes), LEARNER_AXIS)
     n = moments["count"]
     new_count = n + total
+    safe_count = jnp.maximum(new_count, 1.0)
     delta = mean - moments["mean"]
-    new_mean = moments["mean"] + delta * total / new_count
-    new_m2 = moments["var"] * n + m2 + jnp.square(delta) * n * total / new_count
-    return {"count": new_count, "mean": new_mean, "var": new_m2 / new_count}
+    new_mean = moments["mean"] + delta * total / safe_count
+    new_m2 = moments["var"] * n + m2 + jnp.square(delta) * n * total / safe_count
+    merged = {"count": new_count, "mean": new_mean, "var": new_m2 / safe_count}
+    # a batch with no valid entry changes nothing
+    return jax.tree.map(lambda new, old: jnp.where(total > 0, new, old), merged, moments)
 
 
-def update(nets: Any, obs: jax.Array, returns: jax.Array | None) -> Any:
+def update(nets: Any, obs: jax.Array, returns: jax.Array | None,
+           valid: jax.Array | None = None) -> Any:
     """`nets` with the normalization statistics it holds updated from one update's shard:
     observations [E, T, *obs_shape] and the actors' discounted returns [E, T] (None if
-    rewards are not scaled). Must run inside the learner's shard_map (it sums over the
-    learner devices). Networks without statistics are returned unchanged."""
+    rewards are not scaled), of the steps where `valid` [E, T] (None: all; padding steps
+    of multi-agent envs are not). Must run inside the learner's shard_map (it sums over
+    the learner devices). Networks without statistics are returned unchanged."""
     if not isinstance(nets, dict) or COLLECTION not in nets:
         return nets
     stats = dict(nets[COLLECTION])
 
     def merge_observations(tree):
         if isinstance(tree, dict) and set(tree) == {"count", "mean", "var"}:
-            return _merged(tree, obs.astype(jnp.float32), 2)
+            return _merged(tree, obs.astype(jnp.float32), 2, valid)
         return {k: merge_observations(v) for k, v in tree.items()}
 
     for name, tree in stats.items():
         if name == "reward":
             if returns is not None:
-                stats[name] = _merged(tree, returns.astype(jnp.float32), 2)
+                stats[name] = _merged(tree, returns.astype(jnp.float32), 2, valid)
         else:
             stats[name] = merge_observations(tree)
     return {**nets, COLLECTION: stats}

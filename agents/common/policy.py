@@ -179,9 +179,12 @@ class ActorCriticActing:
     def update_statistics(self, nets: networks.Params,
                           trajectory: sebulba.Trajectory) -> networks.Params:
         # Entry T of the observations is entry 0 of the next trajectory: counted there.
+        # Padding rows of a multi-agent env (first and terminated at once, which no real
+        # step is: sebulba.multiagent) hold no observation.
+        steps = jax.tree.map(lambda x: x[:, :-1], trajectory.env_steps)
         return normalization.update(
-            nets, trajectory.env_steps.obs[:, :-1],
-            trajectory.actor_outputs.extras.get("discounted_return"))
+            nets, steps.obs, trajectory.actor_outputs.extras.get("discounted_return"),
+            valid=~(steps.first & steps.terminated))
 
     def new_step_state(self, nets: networks.Params, key: jax.Array,
                        num_envs: int) -> StepState:

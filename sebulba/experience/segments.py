@@ -133,7 +133,8 @@ def segment_layout(
     if num_minibatches < 1 or layout.num_segments % num_minibatches:
         raise ValueError(
             f"num_minibatches={num_minibatches} must divide the {layout.num_segments} "
-            f"segments of each learner device ({envs_per_shard} envs x {steps_per_cycle} "
+            f"segments of each learner device ({envs_per_shard} "
+            f"{'agent rows' if agents_per_env > 1 else 'envs'} x {steps_per_cycle} "
             f"steps / bptt_horizon={horizon})")
     return layout
 
