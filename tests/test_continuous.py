@@ -84,13 +84,18 @@ class RecordingBoxEnv(gym.Env):
         return obs, -float(np.sum(np.square(action))), False, self.t == 20, {}
 
 
-@pytest.mark.timeout(120)
-def test_the_env_gets_clipped_actions_and_the_agent_keeps_the_sampled_ones(no_leftovers):
+def recording_box_loop() -> sebulba.Sebulba:
+    """PPO on 4 RecordingBoxEnvs (4 segments per update: one minibatch), record cleared."""
     RecordingBoxEnv.received.clear()
     config = sebulba.Config(env=RecordingBoxEnv, envs_per_group=4, steps_per_cycle=8,
                             async_factor=1, vectorization="sync", seed=0)
     agent = PPO(sebulba.env_spec(RecordingBoxEnv), PPOConfig(num_minibatches=1))
-    result = sebulba.Sebulba(agent, config).run(4 * 8 * 3)
+    return sebulba.Sebulba(agent, config)
+
+
+@pytest.mark.timeout(120)
+def test_the_env_gets_clipped_actions_and_the_agent_keeps_the_sampled_ones(no_leftovers):
+    result = recording_box_loop().run(4 * 8 * 3)
     received = np.stack(RecordingBoxEnv.received)
     assert received.shape[1:] == (2,) and received.dtype == np.float32
     assert np.all(np.abs(received) <= 1.0)
@@ -111,11 +116,7 @@ def test_non_finite_actions_are_an_error_naming_the_envs():
 
 @pytest.mark.timeout(120)
 def test_a_diverged_policy_stops_the_run_before_the_env_sees_nan(no_leftovers):
-    RecordingBoxEnv.received.clear()
-    config = sebulba.Config(env=RecordingBoxEnv, envs_per_group=4, steps_per_cycle=8,
-                            async_factor=1, vectorization="sync", seed=0)
-    agent = PPO(sebulba.env_spec(RecordingBoxEnv), PPOConfig(num_minibatches=1))
-    loop = sebulba.Sebulba(agent, config)
+    loop = recording_box_loop()
     state = loop.initial_state()
     head = state.nets["params"]["head"]["policy_head"]
     nets = {**state.nets, "params": {**state.nets["params"], "head": {
