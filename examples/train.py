@@ -50,6 +50,14 @@ _COORDINATOR = flags.DEFINE_string(
     "host:port of process 0 for a multi-process run (jax.distributed); unset: one process.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False,
+    "Join a multi-process run whose settings JAX detects from the environment (SLURM, cloud "
+    "TPU and GPU schedulers); --coordinator_address, --num_processes and --process_id, "
+    "where given, override them.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_seconds", 100,
+    "Multi-process runs: a peer that stops answering for this long ends every process.")
 
 # One flag per field of sebulba.Config, named as the field (--envs_per_group, ...), with
 # Config's defaults and docs.
@@ -85,8 +93,11 @@ def main(argv: list[str]) -> None:
             if holder.value < 1:
                 raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
         # Join the cluster before anything touches JAX devices (Config resolves them).
-        if _COORDINATOR.value is not None:
-            distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        if _HEARTBEAT.value < 1:
+            raise ValueError(f"--heartbeat_timeout_seconds must be >= 1, got {_HEARTBEAT.value}")
+        if _COORDINATOR.value is not None or _DISTRIBUTED.value:
+            distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                   heartbeat_timeout_seconds=_HEARTBEAT.value)
         config = sebulba.Config(**run_values)
     except (ValueError, TypeError) as e:
         raise app.UsageError(str(e)) from None

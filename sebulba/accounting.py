@@ -213,6 +213,8 @@ class RunResult:
             "in_flight": self.in_flight,
             "wall_seconds": round(self.wall_seconds, 3),
             "steps_per_second": round(self.steps_per_second, 1),
+            "global_consumed_steps_per_second": round(
+                self.global_consumed / self.wall_seconds if self.wall_seconds > 0 else 0.0, 1),
             "episodes": max(self.episodes_total, len(self.episodes)),
             "mean_return_last_10pct": self.mean_return(0.9, 1.0),
             "policy_lag_mean": lag_sum / max(lag_count, 1),

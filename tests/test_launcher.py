@@ -208,3 +208,41 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
     assert primary["consumed"] < primary["global_consumed"]  # the other process fed half
     assert not [line for line in outputs[1][0].splitlines() if line.startswith("{")]  # logs once
     assert os.listdir(tmp_path / "run" / "checkpoints")  # written by process 0
+    # every process reports the run's throughput beside its own
+    assert primary["global_consumed_steps_per_second"] == pytest.approx(
+        primary["global_consumed"] / primary["wall_seconds"], rel=0.01)
+
+
+@pytest.mark.timeout(240)
+def test_distributed_takes_the_cluster_from_a_slurm_environment():
+    # What SLURM's srun sets for 2 tasks on one node; JAX derives the coordinator
+    # (the first node, a port from the job id) and each process's index from it.
+    port = None
+    for job_id in range(1000, 1100):
+        candidate = job_id % 2**12 + (65535 - 2**12 + 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        port, job = candidate, job_id
+        break
+    assert port is not None, "no free port in JAX's SLURM range"
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "examples.train", "--distributed",
+         "--heartbeat_timeout_seconds=30", "--total_env_steps=2000", *SMALL],
+        cwd=ROOT, env={**base, "SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1",
+                       "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    primary = last_json(outputs[0][0])
+    assert primary["num_processes"] == 2 and primary["consumed"] < primary["global_consumed"]
