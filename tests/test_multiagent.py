@@ -387,3 +387,21 @@ def test_agents_absent_at_the_reset_or_rejoining_are_padding_until_they_start():
     # the team return keeps b's reward from before it left: a's 4 + b's 2
     assert source.pop_team_episodes() == [(6.0, 4)]
     assert source.padding_steps == 1  # the second reset's (the first precedes acting)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("agent_cls,config_cls", [(PPO, PPOConfig), (IMPALA, IMPALAConfig)])
+def test_a_central_value_trains_on_learner_shards_of_whole_envs(agent_cls, config_cls,
+                                                                 no_leftovers):
+    # 4 envs x 3 agents per group over 2 learner devices: 6 rows, 2 whole envs, per shard,
+    # and PPO's 2 minibatches of one env each: the learner's shapes fit a central value
+    # end to end (that minibatches hold whole envs in order is
+    # test_minibatches_keep_each_env_s_agents_together's).
+    config = sebulba.Config(env=ROLE_CALL, vectorization="pettingzoo", agent_ids=True,
+                            envs_per_group=4, steps_per_cycle=8, learner_devices=[0, 1])
+    kwargs = {"num_minibatches": 2} if agent_cls is PPO else {}
+    agent = agent_cls(config.env_spec(), config_cls(central_value=True, **kwargs))
+    result = sebulba.Sebulba(agent, config).run(3 * 4 * 8 * 2 * 6)
+    assert result.learner_updates >= 6
+    assert all(np.isfinite(v) for v in result.metrics.values())
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
