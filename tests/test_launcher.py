@@ -181,20 +181,12 @@ def test_atari_ids_train_through_ale_py(vectorization, tmp_path):
     assert not np.allclose(out.policy.logits[0], out.policy.logits[1], atol=1e-6)
 
 
-@pytest.mark.timeout(240)
-def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
-    # The README's across-machines command, on 127.0.0.1: it must join the cluster
-    # before anything touches JAX devices.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "examples.train", f"--coordinator_address=127.0.0.1:{port}",
-         "--num_processes=2", f"--process_id={i}", "--total_env_steps=4000",
-         f"--logdir={tmp_path / 'run'}", *SMALL],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)]
+def run_launchers(args: list[list[str]], envs: list[dict]) -> list[str]:
+    """Runs `python -m examples.train` once per (args, env), all at once (the processes of
+    one cluster); each must exit 0. Returns their stdouts; none outlives the call."""
+    procs = [subprocess.Popen([sys.executable, "-m", "examples.train", *a], cwd=ROOT, env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a, e in zip(args, envs, strict=True)]
     try:
         outputs = [p.communicate(timeout=200) for p in procs]
     finally:
@@ -203,10 +195,25 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
             p.wait()
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    primary = last_json(outputs[0][0])
+    return [out for out, _ in outputs]
+
+
+@pytest.mark.timeout(240)
+def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
+    # The README's across-machines command, on 127.0.0.1: it must join the cluster
+    # before anything touches JAX devices.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    outputs = run_launchers(
+        [[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+          "--total_env_steps=4000", f"--logdir={tmp_path / 'run'}", *SMALL] for i in range(2)],
+        [env, env])
+    primary = last_json(outputs[0])
     assert primary["num_processes"] == 2 and primary["global_consumed"] >= 4000
     assert primary["consumed"] < primary["global_consumed"]  # the other process fed half
-    assert not [line for line in outputs[1][0].splitlines() if line.startswith("{")]  # logs once
+    assert not [line for line in outputs[1].splitlines() if line.startswith("{")]  # logs once
     assert os.listdir(tmp_path / "run" / "checkpoints")  # written by process 0
     # every process reports the run's throughput beside its own
     assert primary["global_consumed_steps_per_second"] == pytest.approx(
@@ -229,20 +236,10 @@ def test_distributed_takes_the_cluster_from_a_slurm_environment():
         break
     assert port is not None, "no free port in JAX's SLURM range"
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "examples.train", "--distributed",
-         "--heartbeat_timeout_seconds=30", "--total_env_steps=2000", *SMALL],
-        cwd=ROOT, env={**base, "SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1",
-                       "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=200) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    primary = last_json(outputs[0][0])
+    outputs = run_launchers(
+        [["--distributed", "--heartbeat_timeout_seconds=30", "--total_env_steps=2000", *SMALL]] * 2,
+        [{**base, "SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1",
+          "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+         for i in range(2)])
+    primary = last_json(outputs[0])
     assert primary["num_processes"] == 2 and primary["consumed"] < primary["global_consumed"]

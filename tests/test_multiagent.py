@@ -14,7 +14,6 @@ import sebulba  # noqa: E402
 from agents.common.returns import action_mask  # noqa: E402
 from agents.impala import IMPALA, IMPALAConfig  # noqa: E402
 from agents.ppo import PPO, PPOConfig  # noqa: E402
-from agents.r2d2 import R2D2  # noqa: E402
 from sebulba.multiagent import ParallelEnvSource, make_parallel_env  # noqa: E402
 from sebulba.role_call import RoleCall  # noqa: E402
 
@@ -178,13 +177,6 @@ def test_every_agent_step_is_accounted_for_padding_and_team_episodes_reported(no
     assert all(length == 16 for _, _, length in result.team_episodes)
     summary = result.as_dict()
     assert summary["team_steps"] == result.team_steps and summary["padding_steps"] > 0
-
-
-@pytest.mark.timeout(60)
-def test_r2d2_runs_on_agents_as_on_envs():
-    spec = sebulba.env_spec(ROLE_CALL, {}, "pettingzoo")
-    assert spec.agents_per_env == 3
-    R2D2(spec)  # a shared Q-network: nothing in R2D2 is multi-agent specific
 
 
 def role_call_return(agent_cls, config, steps, agent_ids, seed=0) -> float:
