@@ -59,6 +59,11 @@ class IMPALAConfig(policy.ActorCriticOptions):
         MultiDiscrete actions; `gaussian_entropy_cost` for Box ones).
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
+      normalize_advantages: standardize the policy gradient's V-trace advantages within
+        each update (as PPO does within each minibatch). Off by default: it lets an LSTM
+        agent learn rewards of 1/50 a step, which raw advantages drown in the entropy
+        bonus, but without PPO's clipping it also made the LSTM agent collapse on
+        CartPole (benchmarks/RESULTS.md, "IMPALA and the reward scale").
     """
 
     use_lstm: bool = False
@@ -76,6 +81,7 @@ class IMPALAConfig(policy.ActorCriticOptions):
     baseline_cost: float = 0.5
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
+    normalize_advantages: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -160,7 +166,10 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
             cfg.rho_bar, cfg.c_bar, cfg.pg_rho_bar, cfg.vtrace_lambda)  # leaves [E, T]
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
 
-        pg_loss = -policy.masked_mean(log_pi * vt.pg_advantage, mask)
+        advantage = vt.pg_advantage
+        if cfg.normalize_advantages:
+            advantage = policy.standardize(advantage, mask)
+        pg_loss = -policy.masked_mean(log_pi * advantage, mask)
         baseline_loss = 0.5 * policy.masked_mean((vt.vs - values[:, :-1]) ** 2, mask)
         entropy = policy.masked_mean(dist.entropy(), mask)
         loss = pg_loss + cfg.baseline_cost * baseline_loss - self.entropy_cost * entropy

@@ -283,8 +283,7 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
 
         advantage = b.advantage
         if cfg.normalize_advantages:
-            mean = masked_mean(advantage)
-            advantage = (advantage - mean) / (jnp.sqrt(masked_mean((advantage - mean) ** 2)) + 1e-8)
+            advantage = policy.standardize(advantage, b.mask)
         clipped_ratio = jnp.clip(ratio, 1.0 - cfg.clip_epsilon, 1.0 + cfg.clip_epsilon)
         surrogate = jnp.minimum(ratio * advantage, clipped_ratio * advantage)
         # Importance weights correct the prioritized sampling of segments (1 if alpha = 0).

