@@ -148,6 +148,7 @@ class RunResult:
         others (part of `env_steps`; masked out of every loss).
       team_episodes: (env_steps when it ended, team return: the sum of the env's agents'
         returns, length in env steps) of the most recent env episodes (multi-agent only).
+      stopped_early: the run ended on its `stop` event before consuming its steps.
     """
 
     env_steps: int
@@ -171,6 +172,7 @@ class RunResult:
     agents_per_env: int = 1
     padding_steps: int = 0
     team_episodes: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
+    stopped_early: bool = False
 
     @property
     def team_steps(self) -> int:
@@ -221,6 +223,7 @@ class RunResult:
             "policy_lag_max": lag_max,
             "learner_updates": self.learner_updates,
             "optimizer_steps": self.optimizer_steps,
+            "stopped_early": self.stopped_early,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
             "metrics": self.metrics,
             **({"agents_per_env": self.agents_per_env,

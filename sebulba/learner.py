@@ -178,6 +178,10 @@ class Learner:
             lambda n, o, e: optimizer_step(agent, n, o, e), self.devices,
             donate_argnums=(0, 1, 2))
         self._acting_nets = jax.jit(_acting_nets_and_finite(agent))
+        mesh = sharding.learner_mesh(tuple(self.devices))
+        self._any = jax.jit(jax.shard_map(
+            lambda flag: jax.lax.pmax(flag, LEARNER_AXIS), mesh=mesh,
+            in_specs=P(LEARNER_AXIS), out_specs=P(LEARNER_AXIS)))
         self.start(None, None, None)
 
     def start(self, nets: Nets | None, opt: OptState | None, experience: PyTree | None, *,
@@ -193,8 +197,27 @@ class Learner:
         self.metrics: dict[str, float] = {}
         self._pending: tuple[int, Metrics, jax.Array] | None = None  # update, metrics, finite
         self.published: Nets | None = None
+        self._stop_vote: jax.Array | None = None
         if nets is not None:
             self.publish()
+
+    def vote_to_stop(self, wanted: bool) -> bool:
+        """Whether every process of the run stops now: casts this process's vote and
+        returns the outcome of the previous call's (true if any process voted to stop).
+
+        All processes call it once per learner update, so they see the same outcomes at
+        the same update and stop together (a process that stopped alone would leave the
+        others waiting in a collective). The vote is a tiny all-reduce read one update
+        late, like the metrics, so the learner never waits for it; a single process
+        needs none and gets its own vote at once.
+        """
+        if self.num_processes == 1:
+            return wanted
+        previous, local = self._stop_vote, sharding.local_devices_of(self.devices)
+        flags = sharding.assemble(
+            [jax.device_put(np.asarray(wanted, np.int32), d) for d in local], self.devices)
+        self._stop_vote = self._any(flags)
+        return previous is not None and bool(np.asarray(previous.addressable_shards[0].data)[0])
 
     def publish(self) -> None:
         """Sends `acting_nets(nets, updates)` of the first local replica to every staging."""

@@ -128,6 +128,7 @@ class Sebulba:
         learn: bool = True,
         on_update: Callable[[UpdateInfo], None] | None = None,
         local_experience: PyTree | None = None,
+        stop: threading.Event | None = None,
     ) -> RunResult:
         """Acts and learns until the learner has consumed `total_env_steps` env steps.
 
@@ -142,6 +143,10 @@ class Sebulba:
           local_experience: one experience per local learner device, stacked (leaves
             [num_local_learners, ...], e.g. `RunResult.local_experience()` or a
             checkpoint); by default every learner device starts from `state.experience`.
+          stop: when set (e.g. by a SIGTERM handler: a preemption), the run ends after
+            the learner update under way, with `RunResult.stopped_early`; in a
+            multi-process run every process ends after the same update (one update after
+            the first process saw its event), so their learner states agree.
         Returns:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
@@ -156,8 +161,8 @@ class Sebulba:
         else:
             experience = sharding.stack_local(local_experience, devices)
 
-        stop = threading.Event()
-        errors = ErrorBox(stop)
+        halt = threading.Event()  # tells the inferencer threads to end
+        errors = ErrorBox(halt)
         accounting = Accounting()
         trajectories: queue.Queue[QueueItem] = queue.Queue(cfg.effective_queue_capacity)
         stagings = {d: Staging(d) for d in self.inference_devices}
@@ -169,9 +174,10 @@ class Sebulba:
         runners: list[EnvGroupRunner] = []
         threads: list[threading.Thread] = []
         popped: list[QueueItem] = []  # items taken from the queue, not yet learnt from
+        stopped_early = False
         start = time.perf_counter()
         try:
-            runners = self._make_runners(state.step_state, stagings, trajectories, stop, errors,
+            runners = self._make_runners(state.step_state, stagings, trajectories, halt, errors,
                                          accounting)
             for r in runners:
                 threads.append(threading.Thread(
@@ -196,9 +202,12 @@ class Sebulba:
                     on_update(UpdateInfo(
                         learner.updates, learner.metrics, learner.published, accounting,
                         _LearnerSnapshot(learner.nets, learner.opt, learner.experience)))
+                if stop is not None and learner.vote_to_stop(stop.is_set()):
+                    stopped_early = True
+                    break
             learner.finish()
         finally:
-            stop.set()
+            halt.set()
             still_alive = self._shut_down(threads, runners)
             wall = time.perf_counter() - start
         errors.raise_if_any()
@@ -243,6 +252,7 @@ class Sebulba:
             padding_steps=accounting.padding_steps,
             team_episodes=list(accounting.team_episodes),
             learner_experience=learner.experience,
+            stopped_early=stopped_early,
         )
 
     def _make_sources(self) -> list[tuple[int, jax.Device, EnvSource]]:

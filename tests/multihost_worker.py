@@ -5,7 +5,8 @@
 MODE "ppo" takes ARGS ENVS_PER_GROUP NUM_LEARNER_DEVICES TOTAL_ENV_STEPS SEED; with
 NUM_PROCESSES 1 it is a plain single-process run (no jax.distributed), the reference a
 cluster is compared with. MODE "statistics" runs PPO on Pendulum-v1 (Box actions: the
-networks keep observation and return moments) and reports them.
+networks keep observation and return moments) and reports them. MODE "stop" is "counting"
+with no step limit, process 1 setting its `stop` event after its third update.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import functools  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import threading  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -95,7 +97,7 @@ def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str
         return
     distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
                            heartbeat_timeout_seconds=10)
-    if mode in ("counting", "hang"):
+    if mode in ("counting", "hang", "stop"):
         if mode == "hang":  # async workers that record their pids, to check they end
             env = functools.partial(PidRecordingEnv, out_dir)
             vectorization = "async"
@@ -107,14 +109,17 @@ def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str
                              vectorization=vectorization)
         loop = sebulba.Sebulba(DataDependentCounting(sebulba.env_spec(env)), cfg)
         nets_log = []
-        total = 10**12 if mode == "hang" else 2 * 20 * 4 * 3
+        total = 10**12 if mode in ("hang", "stop") else 2 * 20 * 4 * 3
+        stop = threading.Event()
 
         def record(info):
             nets_log.append(np.asarray(info.nets["w"]).tobytes().hex())
             if mode == "hang" and len(nets_log) == 5:
                 print("updating", flush=True)
+            if mode == "stop" and int(process_id) == 1 and len(nets_log) == 3:
+                stop.set()  # as a SIGTERM handler would, in this process only
 
-        result = loop.run(total, on_update=record)
+        result = loop.run(total, on_update=record, stop=stop)
         log = result.learner_experience
         local = [np.asarray(s.data) for s in sorted(log.obs.addressable_shards,
                                                     key=lambda s: s.index[0].start)]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,25 @@ def test_updates_are_skipped_until_the_agent_is_ready(no_leftovers):
     assert float(result.state.nets["w"]) == 1.0  # no optimizer step ran
     assert result.metrics["learning"] == 0.0 and result.metrics["loss"] == 0.0
     assert int(result.state.experience.size) == 10  # the trajectories still arrived
+
+
+@pytest.mark.timeout(120)
+def test_a_set_stop_event_ends_the_run_after_the_update_under_way(no_leftovers):
+    stop = threading.Event()
+
+    def on_update(info):
+        if info.version == 3:
+            stop.set()
+
+    loop = counting_loop(async_factor=2)
+    result = loop.run(10**9, on_update=on_update, stop=stop)
+    assert result.stopped_early and result.as_dict()["stopped_early"]
+    assert result.learner_updates == 3 and result.consumed == 3 * 4 * 3
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    # the loop runs again afterwards, to its step count, when the event is clear
+    stop.clear()
+    again = loop.run(2 * 4 * 3, result.state, stop=stop)
+    assert not again.stopped_early and again.learner_updates == 2
 
 
 @pytest.mark.timeout(120)

@@ -77,6 +77,22 @@ def test_processes_learn_as_one(num_processes, tmp_path, no_leftovers):
     assert sorted(all_ids) == list(range(8 * num_processes))
 
 
+@pytest.mark.timeout(240)
+def test_a_stop_in_one_process_ends_every_process_after_the_same_update(tmp_path,
+                                                                       no_leftovers):
+    results = _finish(_start(2, "stop", tmp_path), timeout=200)
+    for rc, err in results:
+        assert rc == 0, err[-3000:]
+    outs = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(2)]
+    # Process 1 set its event after update 3; the vote is read one update late, so both
+    # processes end after update 4, with the same networks at every update.
+    for o in outs:
+        assert o["result"]["stopped_early"] and o["result"]["learner_updates"] == 4
+        r = o["result"]
+        assert r["env_steps"] == r["consumed"] + r["dropped"] + r["in_flight"]
+    assert outs[0]["nets"] == outs[1]["nets"] and len(outs[0]["nets"]) == 4
+
+
 @pytest.mark.parametrize("how", ["killed", "hung"])
 @pytest.mark.timeout(180)
 def test_a_failed_peer_ends_the_others(how, tmp_path, no_leftovers):
