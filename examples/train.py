@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import sys
 
 import jax
 from absl import app, flags
@@ -31,6 +33,7 @@ from examples.config_flags import define_config_flags, define_run_flags
 from sebulba import distributed
 from sebulba.checkpoint import Checkpointer
 from sebulba.metrics import Reporter, default_writers
+from sebulba.preemption import Preemption
 
 _AGENT = flags.DEFINE_enum("agent", "ppo", sorted(AGENTS), "Which agent to train.")
 _TOTAL_ENV_STEPS = flags.DEFINE_integer(
@@ -55,6 +58,11 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "Join a multi-process run whose settings JAX detects from the environment (SLURM, cloud "
     "TPU and GPU schedulers); --coordinator_address, --num_processes and --process_id, "
     "where given, override them.")
+_GRACE = flags.DEFINE_float(
+    "preemption_grace_seconds", 30.0,
+    "After SIGTERM or SIGINT the run stops after the learner update under way, saves a "
+    "checkpoint (with --logdir) and exits with 128 + the signal's number; if that takes "
+    "longer than this, it ends its env workers and exits at once.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100,
     "Multi-process runs: a peer that stops answering for this long ends every process.")
@@ -89,6 +97,8 @@ def main(argv: list[str]) -> None:
     try:  # every bad value is reported here, before envs, threads or devices start
         agent_config = _AGENT_FLAGS[_AGENT.value].config()
         run_values = _RUN_FLAGS.values()
+        if not _GRACE.value > 0:
+            raise ValueError(f"--preemption_grace_seconds must be > 0, got {_GRACE.value}")
         for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
             if holder.value < 1:
                 raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
@@ -102,6 +112,8 @@ def main(argv: list[str]) -> None:
     except (ValueError, TypeError) as e:
         raise app.UsageError(str(e)) from None
     primary = jax.process_index() == 0
+    # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt).
+    preemption = Preemption(_GRACE.value)
     loop = build(_AGENT.value, agent_config, config)
     metadata = run_metadata(_AGENT.value, agent_config, config)
 
@@ -154,12 +166,13 @@ def main(argv: list[str]) -> None:
             next_save = step + _CHECKPOINT_EVERY.value
 
     try:
-        result = loop.run(remaining, state, on_update=on_update,
-                          local_experience=local_experience)
-        if checkpointer is not None and primary and last_info is not None:
-            step = reporter.global_step(last_info)
-            if step not in checkpointer.all_steps():
-                save(step, last_info)
+        with preemption:
+            result = loop.run(remaining, state, on_update=on_update,
+                              local_experience=local_experience, stop=preemption.event)
+            if checkpointer is not None and primary and last_info is not None:
+                step = reporter.global_step(last_info)
+                if step not in checkpointer.all_steps():
+                    save(step, last_info)
     finally:
         reporter.close()
         if checkpointer is not None:
@@ -168,6 +181,15 @@ def main(argv: list[str]) -> None:
         print(result.summary())
         summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}
         print(json.dumps({"total_consumed": consumed + result.global_consumed, **summary}))
+    if result.stopped_early:
+        # A process stopped by a peer's signal exits as if it had got SIGTERM itself, so
+        # a job script can requeue the run on one exit code.
+        why = (signal.Signals(preemption.signum).name if preemption.signum is not None
+               else "a signal to another process of the run")
+        saved = f"; checkpoint in {checkpointer.directory}" if checkpointer is not None else ""
+        print(f"stopped by {why} after {consumed + result.global_consumed:,} env steps"
+              f"{saved}", file=sys.stderr)
+        sys.exit(preemption.exit_code or 128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":
