@@ -63,6 +63,11 @@ _GRACE = flags.DEFINE_float(
     "After SIGTERM or SIGINT the run stops after the learner update under way, saves a "
     "checkpoint (with --logdir) and exits with 128 + the signal's number; if that takes "
     "longer than this, it ends its env workers and exits at once.")
+_PROGRESS_TIMEOUT = flags.DEFINE_float(
+    "progress_timeout_seconds", 600.0,
+    "Multi-process runs: a learner that finishes no update for this long ends every "
+    "process, naming the processes that are behind (one stuck in Python keeps its "
+    "heartbeats going). Allow for the first update's compilation.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100,
     "Multi-process runs: a peer that stops answering for this long ends every process.")
@@ -97,6 +102,9 @@ def main(argv: list[str]) -> None:
     try:  # every bad value is reported here, before envs, threads or devices start
         agent_config = _AGENT_FLAGS[_AGENT.value].config()
         run_values = _RUN_FLAGS.values()
+        if not _PROGRESS_TIMEOUT.value > 0:
+            raise ValueError(
+                f"--progress_timeout_seconds must be > 0, got {_PROGRESS_TIMEOUT.value}")
         if not _GRACE.value > 0:
             raise ValueError(f"--preemption_grace_seconds must be > 0, got {_GRACE.value}")
         for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
@@ -168,7 +176,8 @@ def main(argv: list[str]) -> None:
     try:
         with preemption:
             result = loop.run(remaining, state, on_update=on_update,
-                              local_experience=local_experience, stop=preemption.event)
+                              local_experience=local_experience, stop=preemption.event,
+                              progress_timeout_s=_PROGRESS_TIMEOUT.value)
             if checkpointer is not None and primary and last_info is not None:
                 step = reporter.global_step(last_info)
                 if step not in checkpointer.all_steps():

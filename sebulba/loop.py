@@ -28,6 +28,7 @@ from sebulba.inferencer import ActingFunctions, EnvGroupRunner, EnvSource
 from sebulba.learner import Learner
 from sebulba.multiagent import ParallelEnvSource, make_parallel_envs
 from sebulba.types import AgentState, Nets, PyTree
+from sebulba.watchdog import ProgressWatchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ class Sebulba:
         on_update: Callable[[UpdateInfo], None] | None = None,
         local_experience: PyTree | None = None,
         stop: threading.Event | None = None,
+        progress_timeout_s: float | None = 600.0,
     ) -> RunResult:
         """Acts and learns until the learner has consumed `total_env_steps` env steps.
 
@@ -147,6 +149,10 @@ class Sebulba:
             the learner update under way, with `RunResult.stopped_early`; in a
             multi-process run every process ends after the same update (one update after
             the first process saw its event), so their learner states agree.
+          progress_timeout_s: multi-process runs: a learner that finishes no update for
+            this long ends this process (exit code `watchdog.EXIT_CODE`), naming the
+            processes that are behind (`sebulba.watchdog`); None: wait forever. Allow
+            for the first update's compilation and the slowest inference cycle.
         Returns:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
@@ -171,6 +177,9 @@ class Sebulba:
                       sharding.replicate(state.opt, devices), experience,
                       stagings=stagings.values(), accounting=accounting)
 
+        watchdog = None
+        if self.num_processes > 1 and progress_timeout_s is not None:
+            watchdog = ProgressWatchdog(progress_timeout_s, self.process_index)
         runners: list[EnvGroupRunner] = []
         threads: list[threading.Thread] = []
         popped: list[QueueItem] = []  # items taken from the queue, not yet learnt from
@@ -193,8 +202,18 @@ class Sebulba:
                 if len(popped) < cfg.trajectories_per_update:
                     continue
                 lags = [learner.updates - item.version for item in popped]
-                if learn:
-                    learner.update(popped)
+                if watchdog is not None:
+                    watchdog.entering(learner.updates + 1)
+                try:  # the collectives of an update (and of the stop vote) need every process
+                    if learn:
+                        learner.update(popped)
+                    stopped_early = stop is not None and learner.vote_to_stop(stop.is_set())
+                except RuntimeError as e:  # a collective failed: say who was behind
+                    if watchdog is None:
+                        raise
+                    raise RuntimeError(f"{e}\n{watchdog.report()}") from e
+                if watchdog is not None:
+                    watchdog.finished(learner.updates)
                 for item, lag in zip(popped, lags, strict=True):
                     accounting.add_consumed(item.num_env_steps, lag)
                 popped = []
@@ -202,11 +221,15 @@ class Sebulba:
                     on_update(UpdateInfo(
                         learner.updates, learner.metrics, learner.published, accounting,
                         _LearnerSnapshot(learner.nets, learner.opt, learner.experience)))
-                if stop is not None and learner.vote_to_stop(stop.is_set()):
+                # One process needs no vote: an event set in on_update counts at once.
+                if stopped_early or (self.num_processes == 1 and stop is not None
+                                     and stop.is_set()):
                     stopped_early = True
                     break
             learner.finish()
         finally:
+            if watchdog is not None:
+                watchdog.close()
             halt.set()
             still_alive = self._shut_down(threads, runners)
             wall = time.perf_counter() - start

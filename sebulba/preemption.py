@@ -22,7 +22,9 @@ import types
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _exit_now(code: int, why: str) -> None:
+def end_process_now(code: int, why: str) -> None:
+    """Prints why, ends this process's child processes (env workers) and exits with `code`
+    at once: for when the main thread cannot be reached (stuck in a C call)."""
     print(f"sebulba: {why}; exiting with {code}", file=sys.stderr, flush=True)
     for child in multiprocessing.active_children():
         child.terminate()
@@ -73,13 +75,13 @@ class Preemption:
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
-            _exit_now(self.exit_code, f"a second signal ({name}) while stopping")
+            end_process_now(self.exit_code, f"a second signal ({name}) while stopping")
         self.signum = signum
         self.event.set()
         print(f"sebulba: {name}: stopping after the learner update under way (at most "
               f"{self.grace_seconds:g} s)", file=sys.stderr, flush=True)
         self._deadline = threading.Timer(
-            self.grace_seconds, _exit_now,
+            self.grace_seconds, end_process_now,
             (self.exit_code, f"the run did not stop within {self.grace_seconds:g} s of {name}"))
         self._deadline.daemon = True
         self._deadline.start()

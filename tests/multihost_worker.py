@@ -6,7 +6,8 @@ MODE "ppo" takes ARGS ENVS_PER_GROUP NUM_LEARNER_DEVICES TOTAL_ENV_STEPS SEED; w
 NUM_PROCESSES 1 it is a plain single-process run (no jax.distributed), the reference a
 cluster is compared with. MODE "statistics" runs PPO on Pendulum-v1 (Box actions: the
 networks keep observation and return moments) and reports them. MODE "stop" is "counting"
-with no step limit, process 1 setting its `stop` event after its third update.
+with no step limit, process 1 setting its `stop` event after its third update; MODE
+"stall" has process 1 sleep forever after it instead (its learner watchdog: 5 s).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -97,7 +99,7 @@ def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str
         return
     distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
                            heartbeat_timeout_seconds=10)
-    if mode in ("counting", "hang", "stop"):
+    if mode in ("counting", "hang", "stop", "stall"):
         if mode == "hang":  # async workers that record their pids, to check they end
             env = functools.partial(PidRecordingEnv, out_dir)
             vectorization = "async"
@@ -109,7 +111,7 @@ def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str
                              vectorization=vectorization)
         loop = sebulba.Sebulba(DataDependentCounting(sebulba.env_spec(env)), cfg)
         nets_log = []
-        total = 10**12 if mode in ("hang", "stop") else 2 * 20 * 4 * 3
+        total = 10**12 if mode in ("hang", "stop", "stall") else 2 * 20 * 4 * 3
         stop = threading.Event()
 
         def record(info):
@@ -118,8 +120,12 @@ def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str
                 print("updating", flush=True)
             if mode == "stop" and int(process_id) == 1 and len(nets_log) == 3:
                 stop.set()  # as a SIGTERM handler would, in this process only
+            if mode == "stall" and int(process_id) == 1 and len(nets_log) == 3:
+                print("stalling", flush=True)
+                time.sleep(10**6)  # stuck in Python: JAX's heartbeats go on
 
-        result = loop.run(total, on_update=record, stop=stop)
+        result = loop.run(total, on_update=record, stop=stop,
+                          progress_timeout_s=5.0 if mode == "stall" else 600.0)
         log = result.learner_experience
         local = [np.asarray(s.data) for s in sorted(log.obs.addressable_shards,
                                                     key=lambda s: s.index[0].start)]

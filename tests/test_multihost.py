@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from sebulba.watchdog import EXIT_CODE, describe_progress
 from tests.test_failures import _alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,13 +85,41 @@ def test_a_stop_in_one_process_ends_every_process_after_the_same_update(tmp_path
     for rc, err in results:
         assert rc == 0, err[-3000:]
     outs = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(2)]
-    # Process 1 set its event after update 3; the vote is read one update late, so both
-    # processes end after update 4, with the same networks at every update.
+    # Process 1 set its event after update 3 (in its callback): it votes in update 4, and
+    # the vote is read one update late, so both processes end after update 5, with the
+    # same networks at every update.
     for o in outs:
-        assert o["result"]["stopped_early"] and o["result"]["learner_updates"] == 4
+        assert o["result"]["stopped_early"] and o["result"]["learner_updates"] == 5
         r = o["result"]
         assert r["env_steps"] == r["consumed"] + r["dropped"] + r["in_flight"]
-    assert outs[0]["nets"] == outs[1]["nets"] and len(outs[0]["nets"]) == 4
+    assert outs[0]["nets"] == outs[1]["nets"] and len(outs[0]["nets"]) == 5
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_stuck_in_python_ends_every_process_naming_it(tmp_path, no_leftovers):
+    # Process 1 sleeps inside its update callback: its heartbeats go on, so JAX would let
+    # process 0 wait in the next update's collective forever.
+    procs = _start(2, "stall", tmp_path)
+    start = time.monotonic()
+    results = _finish(procs, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 100, elapsed
+    for rc, err in results:
+        # Process 0 is past update 3, in update 4's collective or waiting for actors whose
+        # device is queued behind it. Whichever process sees the stall first publishes
+        # it, and every process ends with its words.
+        assert rc == EXIT_CODE, err[-3000:]
+        assert "process 1 stopped after update 3 (process 0 " in err, err[-3000:]
+        assert "made no progress for 5 s" in err and "the silent peer" in err
+
+
+def test_the_silent_peer_is_the_process_furthest_behind():
+    assert describe_progress({0: 8, 1: 6, 2: 8}, me=0) == (
+        "process 1 stopped after update 3 (process 0 after update 4, process 2 after update "
+        "4): the silent peer")
+    assert describe_progress({0: 7, 1: 6}, me=1) == (
+        "process 1 (this one) stopped after update 3 (process 0 in update 4): the silent peer")
+    assert describe_progress({0: 7, 1: 7}, me=0) == "every process is in update 4"
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])

@@ -1,0 +1,147 @@
+"""A learner that stops progressing in a multi-process run ends the run, naming who is behind.
+
+JAX's heartbeats catch a peer that died or froze, but not one whose Python is stuck (an
+env step that never returns, a callback in a loop): its heartbeat thread runs on while
+the others wait for it forever inside the learner's next collective, where no Python
+code of theirs runs. Here every process publishes its learner's update count to JAX's
+coordination key-value store from a thread of its own, and when its own count has not
+moved for `timeout_s` it reads everyone's, prints which processes are behind (or that all
+are at the same update), ends its child processes and exits with `EXIT_CODE`: the
+waiting processes end, and the stuck one too, each saying the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from sebulba.preemption import end_process_now
+
+EXIT_CODE = 3
+_PREFIX = "sebulba/learner_position/"
+_VERDICT = "sebulba/stalled/"
+
+
+def _coordination_client():
+    """JAX's key-value client of this process's `jax.distributed` run (a private API:
+    None where it moved, and the watchdog then names nobody)."""
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(distributed.global_state, "client", None)
+
+
+def _where(position: int) -> str:
+    """A position as `ProgressWatchdog` counts them: 2u - 1 in update u, 2u after it."""
+    if position % 2 == 0:
+        return f"after update {position // 2}"
+    return f"in update {position // 2 + 1}"
+
+
+def describe_progress(positions: dict[int, int], me: int) -> str:
+    """Which processes are behind, from {process index: position}."""
+    if not positions:
+        return "the other processes' progress is unknown"
+    low = min(positions.values())
+    behind = sorted(p for p, u in positions.items() if u == low)
+    if len(behind) == len(positions):
+        return f"every process is {_where(low)}"
+    names = ", ".join(f"process {p}" + (" (this one)" if p == me else "") for p in behind)
+    ahead = ", ".join(f"process {p} {_where(u)}" for p, u in sorted(positions.items())
+                      if u != low)
+    return f"{names} stopped {_where(low)} ({ahead}): the silent peer"
+
+
+class ProgressWatchdog:
+    """Ends this process when its learner has not moved for `timeout_s` seconds.
+
+    The learner calls `entering(u)` before update u (whose collectives need every
+    process) and `finished(u)` after it; `close()` at the end of the run. A process that
+    stopped outside an update is the silent peer its waiting peers name. `on_stall`
+    replaces the exit (for tests): it gets the message instead.
+    """
+
+    def __init__(self, timeout_s: float, process_index: int,
+                 on_stall: Callable[[str], None] | None = None):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s, self.process_index = timeout_s, process_index
+        self._client = _coordination_client()
+        self._on_stall = on_stall or _exit_with
+        self._position, self._last_beat = 0, time.monotonic()
+        self._published = -1
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="sebulba-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def entering(self, update: int) -> None:
+        self._position, self._last_beat = 2 * update - 1, time.monotonic()
+
+    def finished(self, update: int) -> None:
+        self._position, self._last_beat = 2 * update, time.monotonic()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
+    def _publish(self) -> None:
+        position = self._position
+        if self._client is not None and position != self._published:
+            self._client.key_value_set(f"{_PREFIX}{self.process_index}", str(position),
+                                       allow_overwrite=True)
+            self._published = position
+
+    def progress(self) -> dict[int, int]:
+        """{process index: position} as published (this process's own, current)."""
+        found = {self.process_index: self._position}
+        if self._client is not None:
+            for key, value in self._client.key_value_dir_get(_PREFIX):
+                found.setdefault(int(key.rsplit("/", 1)[-1]), int(value))
+        return found
+
+    def report(self) -> str:
+        """Who is behind, as far as the key-value store still answers."""
+        try:
+            return describe_progress(self.progress(), self.process_index)
+        except Exception as e:
+            return f"the coordination service did not answer ({e})"
+
+    def _verdict(self) -> str | None:
+        """A stall another process found and published, if any."""
+        if self._client is None:
+            return None
+        with contextlib.suppress(Exception):
+            for _, message in self._client.key_value_dir_get(_VERDICT):
+                return message
+        return None
+
+    def _watch(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._closed.wait(period):
+            # If the coordination service is gone, the stall check below decides.
+            with contextlib.suppress(Exception):
+                self._publish()
+            verdict = self._verdict()
+            if verdict is not None:  # a peer found the stall first: end with its words
+                self._on_stall(f"{verdict} (process {self.process_index} ends too)")
+                return
+            if time.monotonic() - self._last_beat <= self.timeout_s:
+                continue
+            message = (f"process {self.process_index}'s learner made no progress for "
+                       f"{self.timeout_s:g} s, {_where(self._position)}: {self.report()}")
+            if self._client is not None:
+                with contextlib.suppress(Exception):
+                    self._client.key_value_set(f"{_VERDICT}{self.process_index}", message)
+                # Give every peer a poll to read it before this process (perhaps the
+                # coordination service's host) goes.
+                self._closed.wait(2 * period)
+            self._on_stall(message)
+            return
+
+
+def _exit_with(message: str) -> None:
+    end_process_now(EXIT_CODE, message)
