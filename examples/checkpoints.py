@@ -5,13 +5,16 @@ No flags here, so that code which imports the launcher (`examples.train`) can us
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import jax
 
 import sebulba
 from agents.registry import AGENTS
 from sebulba.checkpoint import Checkpointer
+from sebulba.envs import EnvFactory, make_env
 
 
 def checkpoint_dir(path: str) -> str:
@@ -24,9 +27,22 @@ def eval_vectorization(meta: dict) -> str:
     return "vector_entry_point" if meta.get("vectorization") == "vector_entry_point" else "sync"
 
 
+def eval_env(meta: dict) -> tuple[str | EnvFactory, dict[str, Any] | None]:
+    """(env, env_kwargs) that make the checkpoint's env for `sebulba.evaluation.evaluate`:
+    its id and kwargs, or with env_wrappers a factory that applies them too."""
+    wrappers = meta.get("env_wrappers") or ()
+    if not wrappers:
+        return meta["env"], meta["env_kwargs"]
+    return functools.partial(make_env, meta["env"], meta["env_kwargs"], tuple(wrappers)), None
+
+
 def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, object, dict]:
     """(agent, nets, metadata) from a checkpoint written by examples.train."""
-    checkpointer = Checkpointer(checkpoint_dir(path))
+    directory = checkpoint_dir(path)
+    if not os.path.isdir(directory):  # Checkpointer would create it
+        raise FileNotFoundError(f"no checkpoint in {os.path.abspath(directory)}: no such "
+                                "directory")
+    checkpointer = Checkpointer(directory)
     try:
         meta = checkpointer.metadata(step)
         entry = AGENTS.get(meta["agent"])
@@ -39,7 +55,8 @@ def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, obje
         config = entry.config_class(**{
             k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
         agent = entry.build(
-            sebulba.env_spec(meta["env"], meta["env_kwargs"], eval_vectorization(meta)), config)
+            sebulba.env_spec(meta["env"], meta["env_kwargs"], eval_vectorization(meta),
+                             env_wrappers=meta.get("env_wrappers") or ()), config)
         like = agent.new_networks(jax.random.key(0))
         restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)
     finally:

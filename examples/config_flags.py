@@ -9,6 +9,7 @@ raises TypeError, so a new field cannot silently lack a flag.
 
 `define_run_flags` defines the flags of `sebulba.Config` (`--envs_per_group`, ...) and
 `define_config_flags(agent, ...)` those of an agent's config (`--ppo_learning_rate`, ...).
+`run_main(main)` is absl's `app.run` with usage errors as one line (`USAGE_EXIT_CODE`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import dataclasses
 import inspect
 import json
 import multiprocessing
+import os
 import re
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from absl import flags
+from absl import app, flags
 
 import sebulba
 from sebulba.envs import VECTORIZATIONS
+from sebulba.wrappers import parse_wrappers
 
 # Flags defined by the functions below belong to the module that calls them (the launcher),
 # so that `--helpshort` lists them and `--helpfull` groups them under it.
@@ -180,6 +184,45 @@ def define_config_flags(prefix: str, cls: type, module_name: str | None = None,
     return ConfigFlags(cls, prefix, module_name, conversions or {}, flag_values)
 
 
+# --- usage errors ----------------------------------------------------------------------
+
+# The exit code of a usage error (argparse's): a job script can tell a command it must fix
+# from a run that failed (1) or was preempted (128 + the signal's number).
+USAGE_EXIT_CODE = 2
+
+
+def usage_exit(message: str) -> NoReturn:
+    """Prints a usage error as one line and exits with USAGE_EXIT_CODE.
+
+    absl's `app.UsageError` prints the module's docstring and its flags first (some 70
+    lines that scroll the error out of sight); the help stays one flag away.
+    """
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "sebulba"
+    sys.stderr.write(f"{program}: error: {message}\n"
+                     "(--helpshort: this command's flags; --helpfull: every flag)\n")
+    sys.exit(USAGE_EXIT_CODE)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parse_flags_with_usage, with a bad flag (unknown, of the wrong type, not one
+    of an enum's values) reported as every other usage error is."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        usage_exit(" ".join(str(e).split()))
+
+
+def run_main(main: Callable[[list[str]], Any]) -> None:
+    """`absl.app.run(main)`, with `app.UsageError` and bad flags as a one-line error."""
+    def checked_main(argv: list[str]) -> Any:
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            usage_exit(str(e))
+
+    app.run(checked_main, flags_parser=_parse_flags)
+
+
 # --- sebulba.Config ---------------------------------------------------------------------
 
 
@@ -202,6 +245,19 @@ def _parse_env_kwargs(flag_name: str, value: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ValueError(f"--{flag_name} must be a JSON object, got {value!r}")
     return parsed
+
+
+def _define_env_wrappers(name, default, help, **kw):
+    if tuple(default) != ():
+        raise TypeError(f"--{name}: the flag knows only the default (), got {default!r}")
+    return flags.DEFINE_string(name, "", help, **kw)
+
+
+def _parse_env_wrappers(flag_name: str, value: str) -> tuple[str, ...]:
+    try:
+        return parse_wrappers(value)
+    except ValueError as e:  # Config's message names the field; the flag's names the flag
+        raise ValueError(f"--{e}" if str(e).startswith(flag_name) else str(e)) from None
 
 
 def _define_devices(name, default, help, **kw):
@@ -242,6 +298,8 @@ RUN_FLAG_CONVERSIONS: dict[str, FlagConversion] = {
     "env": FlagConversion(_define_env, _identity),
     # Mapping[str, Any]: a JSON object.
     "env_kwargs": FlagConversion(_define_env_kwargs, _parse_env_kwargs),
+    # Sequence of wrapper names (or callables, from Python): the names, comma-separated.
+    "env_wrappers": FlagConversion(_define_env_wrappers, _parse_env_wrappers),
     # str, one of VECTORIZATIONS: an enum, checked when the flags are parsed.
     "vectorization": FlagConversion(_define_enum(VECTORIZATIONS), _identity),
     # Sequence of device indices or jax.Device | None: comma-separated indices, unset = None.

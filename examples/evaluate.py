@@ -10,7 +10,8 @@ import json
 
 from absl import app, flags
 
-from examples.checkpoints import eval_vectorization, load_policy
+from examples.checkpoints import eval_env, eval_vectorization, load_policy
+from examples.config_flags import run_main
 from sebulba.evaluation import evaluate, record_video
 
 _CHECKPOINT = flags.DEFINE_string(
@@ -27,14 +28,23 @@ _VIDEO_DIR = flags.DEFINE_string(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
+    try:
+        agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
+    except FileNotFoundError as e:
+        raise app.UsageError(f"--checkpoint={_CHECKPOINT.value}: {e}") from None
     if _VIDEO_DIR.value and eval_vectorization(meta) == "vector_entry_point":
         raise app.UsageError(
             f"--video_dir: env {meta['env']!r} was trained through its own vector env "
             "(vectorization=vector_entry_point), which preprocesses frames and does not render")
+    if _VIDEO_DIR.value and meta.get("env_wrappers"):
+        # sebulba.evaluation.record_video makes the env from its id alone.
+        raise app.UsageError(
+            f"--video_dir: the checkpoint's env is wrapped ({', '.join(meta['env_wrappers'])}) "
+            "and videos are recorded of unwrapped envs only")
     greedy = not _SAMPLED.value
-    result = evaluate(agent, nets, meta["env"], _EPISODES.value, greedy=greedy,
-                      num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=meta["env_kwargs"],
+    env, env_kwargs = eval_env(meta)
+    result = evaluate(agent, nets, env, _EPISODES.value, greedy=greedy,
+                      num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=env_kwargs,
                       vectorization=eval_vectorization(meta))
     report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
               **result.as_dict()}
@@ -47,4 +57,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

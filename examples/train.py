@@ -1,7 +1,7 @@
 """Train an agent in the Sebulba loop.
 
     sebulba-train                                 # the same as python -m examples.train
-    python -m examples.train                      # SPG on CartPole-v1, a few minutes on CPU
+    python -m examples.train                      # PPO on CartPole-v1, a few minutes on CPU
     python -m examples.train --envs_per_group=32 --async_factor=1 --total_env_steps=500000
     python -m examples.train --logdir=runs/cp --checkpoint_every_steps=50000
     python -m examples.train --logdir=runs/cp --resume --total_env_steps=1000000
@@ -18,20 +18,25 @@ own --process_id:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
+from collections.abc import Iterator
 
 import jax
 from absl import app, flags
+from absl import logging as absl_logging
 
 import sebulba
 from agents.registry import AGENTS
-from examples.config_flags import define_config_flags, define_run_flags
+from examples.config_flags import define_config_flags, define_run_flags, run_main
 from sebulba import distributed
 from sebulba.checkpoint import Checkpointer
+from sebulba.envs import check_env_id
 from sebulba.metrics import Reporter, default_writers
 from sebulba.preemption import Preemption
 
@@ -47,7 +52,9 @@ _CHECKPOINT_EVERY = flags.DEFINE_integer(
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
 _SAVE_EXPERIENCE = flags.DEFINE_bool(
     "checkpoint_experience", False, "Also checkpoint the experience (replay) state.")
-_RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --logdir.")
+_RESUME = flags.DEFINE_bool(
+    "resume", False, "Continue from the latest checkpoint in --logdir; an error if there is "
+    "none (or it is of another agent or env).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "host:port of process 0 for a multi-process run (jax.distributed); unset: one process.")
@@ -91,7 +98,60 @@ def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
     """What a checkpoint records to rebuild (and check) the agent and its env."""
     return {"agent": agent_name, "agent_config": dataclasses.asdict(agent_config),
             "env": config.env, "env_kwargs": dict(config.env_kwargs),
+            "env_wrappers": list(config.env_wrappers),
             "vectorization": config.vectorization, "agent_ids": config.agent_ids}
+
+
+def check_agent_flags(agent_name: str) -> None:
+    """UsageError for a flag of another agent (`--agent=spg --ppo_learning_rate=...`): it
+    would be silently ignored."""
+    for other, agent_flags in _AGENT_FLAGS.items():
+        if other == agent_name:
+            continue
+        for field, holder in agent_flags.holders.items():
+            if flags.FLAGS[holder.name].present:
+                own = _AGENT_FLAGS[agent_name].holders.get(field)
+                hint = f"; did you mean --{own.name}?" if own is not None else ""
+                raise app.UsageError(
+                    f"--{holder.name} is a flag of agent {other!r}, but this run's agent is "
+                    f"{agent_name!r} (--agent={agent_name}), so it would be ignored{hint}")
+
+
+def flag_message(message: str, agent_name: str) -> str:
+    """A config error as the command line says it: a message that starts with a field of
+    Config or of the agent's config names its flag (`envs_per_group must ...` ->
+    `--envs_per_group must ...`, `sequence_overlap=...` -> `--r2d2_sequence_overlap=...`)."""
+    match = re.match(r"\w+", message)
+    if match is None:
+        return message
+    names = {field: holder.name for field, holder in _AGENT_FLAGS[agent_name].holders.items()}
+    names.update({field: holder.name for field, holder in _RUN_FLAGS.holders.items()})
+    name = names.get(match.group())
+    return f"--{name}{message[match.end():]}" if name else message
+
+
+def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict) -> int:
+    """The step --resume continues from; ValueError if there is no checkpoint or it is of
+    another agent or env."""
+    step = checkpointer.latest_step()
+    if step is None:  # silently starting afresh would overwrite what the user meant to extend
+        raise ValueError(
+            f"--resume: there is no checkpoint in {checkpointer.directory} to continue from "
+            "(drop --resume to start a run there)")
+    checkpointer.check_metadata(metadata, step)
+    return step
+
+
+@contextlib.contextmanager
+def quiet_info() -> Iterator[None]:
+    """No INFO logs while the run is checked: orbax logs its every step at INFO (and JAX the
+    backends it does not find), which would bury a usage error's one line."""
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(verbosity)
 
 
 def main(argv: list[str]) -> None:
@@ -99,6 +159,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _RESUME.value and not _LOGDIR.value:
         raise app.UsageError("--resume needs --logdir")
+    check_agent_flags(_AGENT.value)
+    checkpointer = None
     try:  # every bad value is reported here, before envs, threads or devices start
         agent_config = _AGENT_FLAGS[_AGENT.value].config()
         run_values = _RUN_FLAGS.values()
@@ -110,34 +172,60 @@ def main(argv: list[str]) -> None:
         for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
             if holder.value < 1:
                 raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
-        # Join the cluster before anything touches JAX devices (Config resolves them).
         if _HEARTBEAT.value < 1:
             raise ValueError(f"--heartbeat_timeout_seconds must be >= 1, got {_HEARTBEAT.value}")
+        if isinstance(run_values["env"], str):  # Config checks it too, after the cluster
+            check_env_id(run_values["env"], run_values["vectorization"])
+        # Join the cluster before anything touches JAX devices (Config resolves them).
         if _COORDINATOR.value is not None or _DISTRIBUTED.value:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                    heartbeat_timeout_seconds=_HEARTBEAT.value)
-        config = sebulba.Config(**run_values)
+        with quiet_info():
+            config = sebulba.Config(**run_values)
     except (ValueError, TypeError) as e:
-        raise app.UsageError(str(e)) from None
+        raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
+    try:
+        with quiet_info():
+            # The agent against the env and the run (an action space it cannot act in,
+            # drop_when_full for an agent that needs every trajectory, ...): Sebulba's
+            # construction checks them and compiles nothing.
+            loop = build(_AGENT.value, agent_config, config)
+            # Checks an agent makes as it sizes its state for the run (R2D2's steps_per_cycle
+            # against its sequence length), traced without computing: in a fraction of a
+            # second instead of after the networks' initialization. Anything but a ValueError
+            # here is left to the real initial_state below, which reports it in full.
+            try:
+                jax.eval_shape(loop.initial_state)
+            except ValueError:
+                raise
+            except Exception:
+                pass
+            metadata = run_metadata(_AGENT.value, agent_config, config)
+            if _LOGDIR.value:
+                directory = os.path.join(_LOGDIR.value, "checkpoints")
+                if _RESUME.value and not os.path.isdir(directory):  # and do not create it
+                    raise ValueError(f"--resume: there is no checkpoint in {directory} to continue "
+                                     "from (drop --resume to start a run there)")
+                checkpointer = Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
+            resume_step = checkpoint_to_resume(checkpointer, metadata) if _RESUME.value else None
+    except ValueError as e:
+        if checkpointer is not None:
+            with quiet_info():
+                checkpointer.close()
+        raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
     primary = jax.process_index() == 0
     # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt).
     preemption = Preemption(_GRACE.value)
-    loop = build(_AGENT.value, agent_config, config)
-    metadata = run_metadata(_AGENT.value, agent_config, config)
 
     state = loop.initial_state()
     local_experience = None
     consumed = 0
-    checkpointer = None
-    if _LOGDIR.value:
-        checkpointer = Checkpointer(os.path.join(_LOGDIR.value, "checkpoints"),
-                                    max_to_keep=_KEEP.value, primary_only=True)
-    if _RESUME.value and checkpointer.latest_step() is not None:
+    if resume_step is not None:
         like_experience = (
             jax.tree.map(lambda x: jax.numpy.stack([x] * len(loop.local_learner_devices)),
                          state.experience) if _SAVE_EXPERIENCE.value else None)
         restored = checkpointer.restore(nets=state.nets, opt=state.opt, metadata=metadata,
-                                        local_experience=like_experience)
+                                        local_experience=like_experience, step=resume_step)
         state = state._replace(nets=restored.nets, opt=restored.opt)
         local_experience = restored.local_experience
         consumed = restored.counters["consumed"]
@@ -147,6 +235,8 @@ def main(argv: list[str]) -> None:
     if remaining <= 0:
         if primary:
             print(f"nothing to do: {consumed:,} of {_TOTAL_ENV_STEPS.value:,} env steps done")
+        if checkpointer is not None:
+            checkpointer.close()
         return
 
     writer = default_writers(_LOGDIR.value) if (_LOGDIR.value and primary) else None
@@ -202,4 +292,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

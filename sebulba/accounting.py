@@ -244,12 +244,12 @@ class RunResult:
             f"{d['dropped']:,} + in flight {d['in_flight']:,}",
             f"{d['wall_seconds']:.1f}s, {d['steps_per_second']:,.0f} {unit}/s, "
             f"{d['learner_updates']} learner updates",
-            f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.1f}",
+            f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.4g}",
             f"policy lag mean {d['policy_lag_mean']:.2f}, max {d['policy_lag_max']}",
             f"time by stage (summed over threads): {stages}",
             *([f"{d['agents_per_env']} agents per env: {d['team_steps']:,} env steps, "
                f"{d['padding_steps']:,} padding agent steps, {d['team_episodes']} env "
-               f"episodes, mean team return (last 10%) {d['mean_team_return_last_10pct']:.1f}"]
+               f"episodes, mean team return (last 10%) {d['mean_team_return_last_10pct']:.4g}"]
               if "agents_per_env" in d else []),
             f"last metrics: {json.dumps(d['metrics'])}",
         ])

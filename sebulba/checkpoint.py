@@ -1,9 +1,9 @@
 """Checkpoints of the learner state on disk, with orbax-checkpoint.
 
 A checkpoint holds the networks, the optimizer state, the step counters and, when asked,
-each local learner device's experience, plus JSON metadata naming the agent, its config
-and the shapes of its networks. Restoring checks the metadata against the run that
-restores it and refuses a checkpoint of another agent or network shape.
+each local learner device's experience, plus JSON metadata naming the agent, its config,
+the env and the shapes of its networks. Restoring checks the metadata against the run that
+restores it and refuses a checkpoint of another agent, another env or network shape.
 """
 
 from __future__ import annotations
@@ -39,6 +39,42 @@ def tree_signature(tree: PyTree) -> dict[str, str]:
 def _dtype(x) -> str:
     dtype = getattr(x, "dtype", np.asarray(x).dtype)
     return str(dtype)
+
+
+# The metadata entries that say which env a run trains on, with their value when a
+# checkpoint (or a run) does not record them. Two envs with the same spaces are not the
+# same env: networks trained on one mean nothing on the other, so a restore into a run of
+# another env is refused even though every shape matches.
+ENV_KEYS: dict[str, Any] = {
+    "env": None, "env_kwargs": {}, "env_wrappers": [], "vectorization": "sync",
+    "agent_ids": False,
+}
+# Vectorizations that make the same envs (each env stepped in the thread or in a worker
+# process); the others may preprocess (an id's own vector env) or be another
+# implementation of the id (EnvPool).
+_SAME_ENVS = {"async": "sync"}
+
+
+def _json(value: Any) -> Any:
+    """`value` as JSON reads it back (tuples are lists), to compare a run's metadata with a
+    checkpoint's."""
+    return json.loads(json.dumps(value))
+
+
+def env_differences(checkpoint: Mapping[str, Any], run: Mapping[str, Any]) -> list[str]:
+    """"key checkpoint's value (this run: its value)" for each env entry in which a
+    checkpoint's metadata and a run's differ; nothing when either does not name its env."""
+    if checkpoint.get("env") is None or run.get("env") is None:
+        return []
+    differ = []
+    for key, default in ENV_KEYS.items():
+        theirs, ours = _json(checkpoint.get(key, default)), _json(run.get(key, default))
+        if key == "vectorization":
+            theirs, ours = _SAME_ENVS.get(theirs, theirs), _SAME_ENVS.get(ours, ours)
+        if theirs != ours:
+            differ.append(f"{key} {checkpoint.get(key, default)!r} (this run: "
+                          f"{run.get(key, default)!r})")
+    return differ
 
 
 def _is_key(x) -> bool:
@@ -137,13 +173,8 @@ class Checkpointer:
         and the network signature must match the checkpoint's.
         """
         step = self.latest_step() if step is None else step
-        meta = self.metadata(step)
+        meta = self.check_metadata(metadata, step)
         where = f"checkpoint {step} in {self.directory}"
-        if meta.get("agent") != metadata.get("agent"):
-            raise ValueError(
-                f"{where} was written by agent {meta.get('agent')!r}; this run's agent is "
-                f"{metadata.get('agent')!r}"
-            )
         signature = tree_signature(nets)
         if meta["nets_signature"] != signature:
             differ = sorted(
@@ -174,6 +205,27 @@ class Checkpointer:
             counters=dict(meta["counters"]),
             metadata=meta,
         )
+
+    def check_metadata(self, metadata: Mapping[str, Any], step: int | None = None
+                       ) -> dict[str, Any]:
+        """The metadata of checkpoint `step` (default: the latest), after checking that a run
+        whose metadata is `metadata` may restore it: the same agent and the same env
+        (`ENV_KEYS`); ValueError naming both otherwise. Reads no arrays, so a run can
+        check before it builds anything."""
+        step = self.latest_step() if step is None else step
+        meta = self.metadata(step)
+        where = f"checkpoint {step} in {self.directory}"
+        if meta.get("agent") != metadata.get("agent"):
+            raise ValueError(
+                f"{where} was written by agent {meta.get('agent')!r}; this run's agent is "
+                f"{metadata.get('agent')!r}"
+            )
+        differ = env_differences(meta, metadata)
+        if differ:
+            raise ValueError(
+                f"{where} was trained on another env: {'; '.join(differ)}. Its networks "
+                "restore only into a run of the env they were trained on")
+        return meta
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata of checkpoint `step` (default: the latest)."""

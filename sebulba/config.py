@@ -8,8 +8,15 @@ from typing import Any
 
 import jax
 
-from sebulba.envs import VECTORIZATIONS, EnvFactory, env_spec
+from sebulba.envs import (
+    PER_ENV_VECTORIZATIONS,
+    VECTORIZATIONS,
+    EnvFactory,
+    check_env_id,
+    env_spec,
+)
 from sebulba.types import EnvSpec
+from sebulba.wrappers import EnvWrapper, parse_wrappers
 
 DeviceLike = int | jax.Device
 
@@ -21,6 +28,10 @@ class Config:
     Attributes:
       env: a `gymnasium.make_vec` id, or a factory returning one gymnasium.Env.
       env_kwargs: keyword arguments for the env.
+      env_wrappers: gymnasium wrappers around each env, innermost first, by name with
+        literal arguments: "FlattenObservation,FrameStackObservation(stack_size=4)" or a
+        sequence of such names (from Python also env -> env callables). Needs
+        vectorization "sync" or "async".
       envs_per_group: envs in each env group (the vector env of one inferencer thread).
         Each group's trajectory is split along the env axis over the learner devices,
         so it must be divisible by their number.
@@ -59,6 +70,7 @@ class Config:
 
     env: str | EnvFactory = "CartPole-v1"
     env_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    env_wrappers: str | Sequence[EnvWrapper] = ()
     envs_per_group: int = 16
     vectorization: str = "sync"
     async_factor: int = 2
@@ -110,6 +122,17 @@ class Config:
                 not isinstance(self.env, str):
             raise ValueError(f"vectorization {self.vectorization!r} needs an env id, got the "
                              f"factory {self.env!r}")
+        # The env is checked here, before devices are set up: an unknown id (or a `module:Id`
+        # whose module does not import) is an error naming it, not a registry's traceback.
+        if isinstance(self.env, str):
+            check_env_id(self.env, self.vectorization)
+        # One canonical tuple, so that equal configs compare equal and a checkpoint records
+        # the same text for the same wrappers.
+        object.__setattr__(self, "env_wrappers", parse_wrappers(self.env_wrappers))
+        if self.env_wrappers and self.vectorization not in PER_ENV_VECTORIZATIONS:
+            raise ValueError(
+                f"env_wrappers wrap each env, so they need vectorization 'sync' or 'async', got "
+                f"{self.vectorization!r}")
         num_learners = len(self.resolved_local_learner_devices())
         if self.envs_per_group % num_learners:
             raise ValueError(
@@ -120,7 +143,8 @@ class Config:
 
     def env_spec(self) -> EnvSpec:
         """The spec of this run's env, as the loop checks the agent's against."""
-        return env_spec(self.env, self.env_kwargs, self.vectorization, self.agent_ids)
+        return env_spec(self.env, self.env_kwargs, self.vectorization, self.agent_ids,
+                        self.env_wrappers)
 
     def resolved_inference_devices(self) -> list[jax.Device]:
         """This process's inference devices."""

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from sebulba import observations
+from sebulba.async_workers import AsyncVectorEnv, check_main_guard, named_worker_deaths
 from sebulba.types import EnvSpec, EnvStep
+from sebulba.wrappers import EnvWrapper, parse_wrappers, wrapper_function
 
 EnvFactory = Callable[[], gym.Env]
+GymEnvSpec = gym.envs.registration.EnvSpec  # a registered id's spec (not sebulba's EnvSpec)
 VECTORIZATIONS = ("sync", "async", "vector_entry_point", "envpool", "pettingzoo")
+# Vectorizations that make each env themselves, so that wrappers can go around each one.
+PER_ENV_VECTORIZATIONS = ("sync", "async")
 
 
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
@@ -68,19 +74,126 @@ def register_env_family(env_id: str) -> None:
         gym.register_envs(ale_py)
 
 
+def check_env_id(env: str, vectorization: str = "sync") -> None:
+    """ValueError naming `env` unless it names an env `vectorization` can make.
+
+    Reads registries and imports the module of a `module:Id` id (as making the env would),
+    but makes no env, so a misspelt id fails in a fraction of a second.
+    """
+    if vectorization == "envpool":
+        from sebulba.envpool_source import check_task_id
+
+        try:
+            check_task_id(env)
+        except ValueError as e:
+            raise ValueError(f"env {env!r}: {e}") from None
+        return
+    if vectorization == "pettingzoo":
+        try:
+            importlib.import_module(env)
+        except ImportError as e:
+            raise ValueError(
+                f"env {env!r} is not an importable PettingZoo env module (e.g. "
+                f"'mpe2.simple_spread_v3'): {e}") from None
+        return
+    try:
+        register_env_family(env)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    # gymnasium's `module:Id` form: importing the module registers the id.
+    module, name = env.split(":", 1) if ":" in env else (None, env)
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(
+                f"env {env!r}: importing {module!r}, which the `module:Id` form imports to "
+                f"register {name!r}, failed: {e}") from None
+    try:
+        spec = _find_spec(name)
+    except gym.error.Error as e:
+        reason = str(e).rstrip(".")
+        if module is None and "Did you mean" not in reason:
+            reason += " (an id that a module registers takes the form 'module:Id')"
+        raise ValueError(f"env {env!r} is not a registered gymnasium id: {reason}") from None
+    if vectorization == "vector_entry_point" and spec.vector_entry_point is None:
+        raise ValueError(f"env {env!r} has no vectorized version of its own, so vectorization "
+                         "'vector_entry_point' cannot make it; use 'sync' or 'async'")
+
+
+def _find_spec(env: str) -> GymEnvSpec:
+    """The registered spec of a gymnasium id, as gym.make finds it: `module:Id` imports the
+    module, an unversioned name means its latest version."""
+    if ":" in env:
+        module, env = env.split(":", 1)
+        importlib.import_module(module)
+    from gymnasium.envs.registration import find_highest_version, parse_env_id
+
+    namespace, name, version = parse_env_id(env)
+    latest = find_highest_version(namespace, name)
+    if version is None and latest is not None:
+        env = f"{env}-v{latest}"
+    return gym.spec(env)
+
+
+def check_env_kwargs(env: str, env_kwargs: Mapping[str, Any], make: Callable[[], Any]) -> Any:
+    """`make()`, with a constructor's complaint about `env_kwargs` as a ValueError naming
+    them (a TypeError from deeper inside the env is a bug there and passes unchanged)."""
+    try:
+        return make()
+    except TypeError as e:
+        if env_kwargs and "keyword argument" in str(e):
+            raise ValueError(
+                f"env_kwargs {dict(env_kwargs)!r} do not fit env {env!r}: {e}") from None
+        raise
+
+
+def make_env(
+    env: str | GymEnvSpec | EnvFactory,
+    env_kwargs: Mapping[str, Any] | None = None,
+    env_wrappers: Sequence[EnvWrapper] = (),
+    **make_kwargs: Any,
+) -> gym.Env:
+    """One env: `gym.make(env, **env_kwargs, **make_kwargs)` for an id (or its gymnasium
+    spec), `env()` for a factory, then `env_wrappers` applied in order (the first is
+    innermost)."""
+    if isinstance(env, str | GymEnvSpec):
+        if isinstance(env, str):
+            register_env_family(env)
+        kwargs = dict(env_kwargs or {})
+        name = env if isinstance(env, str) else env.id
+        single = check_env_kwargs(name, kwargs, lambda: gym.make(env, **kwargs, **make_kwargs))
+    else:
+        single = env()
+    for wrapper in env_wrappers:
+        single = wrapper_function(wrapper)(single)
+    return single
+
+
+def _check_wrappable(env_wrappers: Sequence[EnvWrapper], vectorization: str) -> None:
+    if env_wrappers and vectorization not in PER_ENV_VECTORIZATIONS:
+        raise ValueError(
+            f"env_wrappers wrap each env, so they need vectorization 'sync' or 'async', got "
+            f"{vectorization!r}")
+
+
 def env_spec(
     env: str | EnvFactory,
     env_kwargs: Mapping[str, Any] | None = None,
     vectorization: str = "sync",
     agent_ids: bool = False,
+    env_wrappers: Sequence[EnvWrapper] = (),
 ) -> EnvSpec:
     """Makes one env to read its spaces, then closes it.
 
     With "vector_entry_point" the spaces are those of the id's own vector env, which may
     preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
     With "pettingzoo" they are one agent's (`sebulba.multiagent.parallel_env_spec`; with
-    `agent_ids`, extended by the agent's one-hot).
+    `agent_ids`, extended by the agent's one-hot). `env_wrappers` (`parse_wrappers`) wrap
+    the env, in order.
     """
+    env_wrappers = parse_wrappers(env_wrappers)
+    _check_wrappable(env_wrappers, vectorization)
     if vectorization == "pettingzoo":
         from sebulba.multiagent import parallel_env_spec
 
@@ -100,15 +213,17 @@ def env_spec(
         finally:
             pool.close()
     if isinstance(env, str):
-        register_env_family(env)
+        check_env_id(env, vectorization)
     if isinstance(env, str) and vectorization == "vector_entry_point":
-        vec = gym.make_vec(env, 1, "vector_entry_point", **(env_kwargs or {}))
+        kwargs = dict(env_kwargs or {})
+        vec = check_env_kwargs(
+            env, kwargs, lambda: gym.make_vec(env, 1, "vector_entry_point", **kwargs))
         try:
             check_spaces(vec.single_observation_space, vec.single_action_space)
             return EnvSpec(vec.single_observation_space, vec.single_action_space)
         finally:
             vec.close()
-    single = gym.make(env, **(env_kwargs or {})) if isinstance(env, str) else env()
+    single = make_env(env, env_kwargs, env_wrappers)
     try:
         check_spaces(single.observation_space, single.action_space)
         return EnvSpec(single.observation_space, single.action_space)
@@ -169,17 +284,21 @@ class DesyncFirstEpisode(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-def check_desync(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None) -> None:
+def check_desync(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None,
+                 env_wrappers: Sequence[EnvWrapper] = ()) -> None:
     """Raises ValueError, naming the env, if it has no episode step limit to desync with."""
-    single = gym.make(env, **(env_kwargs or {})) if isinstance(env, str) else env()
+    single = make_env(env, env_kwargs, parse_wrappers(env_wrappers))
     try:
         DesyncFirstEpisode(single)
     finally:
         single.close()
 
 
-def _desynced(env: EnvFactory) -> gym.Env:
-    return DesyncFirstEpisode(env())
+def _make_single(env: str | GymEnvSpec | EnvFactory, env_kwargs: Mapping[str, Any] | None,
+                 env_wrappers: Sequence[EnvWrapper], desync_episodes: bool) -> gym.Env:
+    """One env of a vector env (in a worker process for "async")."""
+    single = make_env(env, env_kwargs, env_wrappers)
+    return DesyncFirstEpisode(single) if desync_episodes else single
 
 
 def make_vector_env(
@@ -189,39 +308,48 @@ def make_vector_env(
     env_kwargs: Mapping[str, Any] | None = None,
     async_context: str = "spawn",
     desync_episodes: bool = False,
+    env_wrappers: Sequence[EnvWrapper] = (),
 ) -> gym.vector.VectorEnv:
     """Makes the vector env of one env group, with NEXT_STEP autoreset.
 
     Async (subprocess) envs start their workers with `async_context`; "spawn" by
     default because forking a process that runs JAX threads can deadlock the child.
-    With `desync_episodes` each env is wrapped in `DesyncFirstEpisode`.
+    Each env is wrapped in `env_wrappers` (in order), then with `desync_episodes` in
+    `DesyncFirstEpisode`.
     """
     kwargs = dict(env_kwargs or {})
+    env_wrappers = parse_wrappers(env_wrappers)
     next_step = gym.vector.AutoresetMode.NEXT_STEP
-    if desync_episodes and vectorization == "vector_entry_point":
+    if desync_episodes and vectorization not in PER_ENV_VECTORIZATIONS:
         raise ValueError("desync_episodes needs vectorization 'sync' or 'async', "
-                         "got 'vector_entry_point'")
-    if isinstance(env, str):
+                         f"got {vectorization!r}")
+    _check_wrappable(env_wrappers, vectorization)
+    if vectorization == "vector_entry_point":
+        if not isinstance(env, str):
+            raise ValueError(f"vectorization {vectorization!r} needs an env id, not a factory")
         register_env_family(env)
-        vector_kwargs: dict[str, Any] = {}
-        if vectorization != "vector_entry_point":
-            vector_kwargs["autoreset_mode"] = next_step
-        if vectorization == "async":
-            vector_kwargs["context"] = async_context
-        wrappers = [DesyncFirstEpisode] if desync_episodes else None
-        vec = gym.make_vec(env, num_envs, vectorization, vector_kwargs=vector_kwargs,
-                           wrappers=wrappers, **kwargs)
-    elif desync_episodes:
-        return make_vector_env(functools.partial(_desynced, env), num_envs, vectorization,
-                               None, async_context)
-    elif vectorization == "sync":
-        vec = gym.vector.SyncVectorEnv([env] * num_envs, autoreset_mode=next_step)
-    elif vectorization == "async":
-        vec = gym.vector.AsyncVectorEnv(
-            [env] * num_envs, autoreset_mode=next_step, context=async_context
-        )
+        vec = check_env_kwargs(
+            env, kwargs, lambda: gym.make_vec(env, num_envs, vectorization, **kwargs))
+    elif vectorization in PER_ENV_VECTORIZATIONS:
+        if isinstance(env, str):
+            # The id's spec, found here: a worker process then needs no registration of
+            # its own (an id the main script registered under its __main__ guard works).
+            register_env_family(env)
+            make_one = functools.partial(_make_single, _find_spec(env), kwargs, env_wrappers,
+                                         desync_episodes)
+        elif env_wrappers or desync_episodes:
+            make_one = functools.partial(_make_single, env, None, env_wrappers, desync_episodes)
+        else:
+            make_one = env
+        if vectorization == "sync":
+            vec = gym.vector.SyncVectorEnv([make_one] * num_envs, autoreset_mode=next_step)
+        else:
+            check_main_guard(async_context)
+            vec = AsyncVectorEnv([make_one] * num_envs, autoreset_mode=next_step,
+                                  context=async_context)
     else:
-        raise ValueError(f"vectorization {vectorization!r} needs an env id, not a factory")
+        raise ValueError(f"vectorization {vectorization!r} is not one of gymnasium's: "
+                         "make_vector_env makes 'sync', 'async' and 'vector_entry_point'")
     mode = vec.metadata.get("autoreset_mode", next_step)
     if mode != next_step:
         vec.close()
@@ -306,7 +434,8 @@ class VectorEnvSource:
         self._result: tuple | None = None
 
     def reset(self, seed: int) -> None:
-        obs, _ = self.vec.reset(seed=seed)
+        with named_worker_deaths(self.vec, "resetting its env"):
+            obs, _ = self.vec.reset(seed=seed)
         zeros = np.zeros(self.num_envs, bool)
         self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
 
@@ -314,7 +443,9 @@ class VectorEnvSource:
         return (self._ids, *self._tracker.observe(self._ids, *self._result))
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        obs, reward, terminated, truncated, _ = self.vec.step(self._to_env(actions))
+        actions = self._to_env(actions)
+        with named_worker_deaths(self.vec, "stepping its env"):
+            obs, reward, terminated, truncated, _ = self.vec.step(actions)
         self._tracker.sent(ids)
         self._result = (obs, reward, terminated, truncated)
 

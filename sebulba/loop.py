@@ -93,7 +93,7 @@ class Sebulba:
                 "would join its neighbours into a sequence that never happened; use "
                 "drop_when_full=False (the learner then applies backpressure)")
         if config.desync_episodes:
-            check_desync(config.env, config.env_kwargs)
+            check_desync(config.env, config.env_kwargs, config.env_wrappers)
         # A row is one acting stream: one env, or one agent of a multi-agent env.
         self.rows_per_group = config.envs_per_group * spec.agents_per_env
         self.layout = Layout(
@@ -301,7 +301,8 @@ class Sebulba:
                             make_parallel_envs(cfg.env, cfg.env_kwargs, size), cfg.agent_ids)))
                         continue
                     vec = make_vector_env(cfg.env, size, cfg.vectorization, cfg.env_kwargs,
-                                          cfg.async_context, cfg.desync_episodes)
+                                          cfg.async_context, cfg.desync_episodes,
+                                          cfg.env_wrappers)
                     sources.append((group, device, VectorEnvSource(vec)))
         except BaseException:
             for _, _, source in sources:

@@ -136,7 +136,8 @@ class Reporter:
         if self._bar is not None:
             postfix = {"sps": f"{sps:,.0f}"}
             if recent:
-                postfix["return"] = f"{np.mean(recent):.1f}"
+                # Significant digits: one decimal is useless for returns in [-1, 1].
+                postfix["return"] = f"{np.mean(recent):.4g}"
             self._bar.set_postfix(postfix, refresh=False)
         if self.writer is not None:
             self.writer.write(step, scalars)

@@ -125,3 +125,36 @@ def test_checkpoint_of_another_agent_or_shape_is_refused(tmp_path):
     restored = checkpointer.restore(nets=nets, opt=(), metadata={"agent": "ppo"})
     np.testing.assert_array_equal(restored.nets["w"], np.ones((2, 3)))
     checkpointer.close()
+
+
+CARTPOLE = {"agent": "ppo", "env": "CartPole-v1", "env_kwargs": {}, "env_wrappers": [],
+            "vectorization": "sync", "agent_ids": False}
+
+
+@pytest.mark.parametrize("run,message", [
+    # CartPole-v0 has CartPole-v1's spaces: every network shape matches.
+    ({"env": "CartPole-v0"}, r"env 'CartPole-v1' \(this run: 'CartPole-v0'\)"),
+    ({"env_kwargs": {"max_episode_steps": 50}}, r"env_kwargs \{\} \(this run: "
+                                                r"\{'max_episode_steps': 50\}\)"),
+    ({"env_wrappers": ("ClipReward(max_reward=1)",)},
+     r"env_wrappers \[\] \(this run: \('ClipReward\(max_reward=1\)',\)\)"),
+    ({"vectorization": "envpool"}, r"vectorization 'sync' \(this run: 'envpool'\)"),
+])
+def test_checkpoint_of_another_env_with_the_same_shapes_is_refused(tmp_path, run, message):
+    checkpointer = Checkpointer(str(tmp_path))
+    nets = {"w": jnp.ones((2, 3))}
+    checkpointer.save(1, nets=nets, opt=(), counters={"consumed": 10}, metadata=CARTPOLE)
+    with pytest.raises(ValueError, match=r"checkpoint 1 in .* was trained on another env: "
+                                         + message + ". Its networks restore only into a run "
+                                         "of the env they were trained on"):
+        checkpointer.restore(nets=nets, opt=(), metadata={**CARTPOLE, **run})
+    with pytest.raises(ValueError, match=message):  # checked without reading any array
+        checkpointer.check_metadata({**CARTPOLE, **run})
+    # Stepping the same envs in worker processes is the same env; tuples read as lists.
+    same = {**CARTPOLE, "vectorization": "async", "env_wrappers": ()}
+    assert checkpointer.restore(nets=nets, opt=(), metadata=same).counters == {"consumed": 10}
+    # A checkpoint without the env entries of the launcher's metadata restores as before.
+    checkpointer.save(2, nets=nets, opt=(), counters={"consumed": 20}, metadata={"agent": "ppo"})
+    assert checkpointer.restore(nets=nets, opt=(), metadata={**CARTPOLE, **run}).counters == {
+        "consumed": 20}
+    checkpointer.close()

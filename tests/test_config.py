@@ -83,6 +83,44 @@ def test_bad_total_env_steps_is_rejected():
         loop.run(0)
 
 
-def test_unknown_env_id_fails_at_construction():
-    with pytest.raises(gym.error.Error, match="NoSuchEnv"):
-        sebulba.env_spec("NoSuchEnv-v0")
+@pytest.mark.parametrize("env,message", [
+    ("NoSuchEnv-v0", r"env 'NoSuchEnv-v0' is not a registered gymnasium id: Environment "
+                     r"`NoSuchEnv` doesn't exist \(an id that a module registers takes the form"),
+    ("Cartpole-v1", r"env 'Cartpole-v1' is not a registered .* Did you mean: `CartPole`"),
+    ("CartPole-v9", r"env 'CartPole-v9' is not a registered .* `v0`, `v1`"),
+    ("no_such_module:Foo-v0", r"env 'no_such_module:Foo-v0': importing 'no_such_module', "
+                              r"which the `module:Id` form imports to register 'Foo-v0', "
+                              r"failed: No module named 'no_such_module'"),
+    ("sebulba.memory_envs:sebulba/Nope-v0", r"env 'sebulba.memory_envs:sebulba/Nope-v0' is not "
+                                            r"a registered gymnasium id"),
+])
+def test_unknown_env_id_is_a_value_error_naming_it_at_construction(env, message):
+    with pytest.raises(ValueError, match=message):
+        sebulba.env_spec(env)
+    # Config checks it before it resolves devices: a bad device index is not reached.
+    with pytest.raises(ValueError, match=message):
+        sebulba.Config(env=env, inference_devices=[99])
+
+
+@pytest.mark.filterwarnings("ignore:.*unversioned environment")
+def test_an_unversioned_id_means_its_latest_version_as_gym_make_has_it():
+    assert sebulba.Config(env="CartPole").env_spec() == sebulba.env_spec("CartPole-v1")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"vectorization": "vector_entry_point", "env": "Pendulum-v1"},
+     r"env 'Pendulum-v1' has no vectorized version of its own"),
+    ({"vectorization": "envpool", "env": "CartPole-v9"},
+     r"env 'CartPole-v9': 'CartPole-v9' is not an EnvPool task id \(did you mean CartPole-v1"),
+    ({"vectorization": "pettingzoo", "env": "no_such_module"},
+     r"env 'no_such_module' is not an importable PettingZoo env module"),
+])
+def test_env_ids_are_checked_for_their_vectorization(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sebulba.Config(**kwargs)
+
+
+def test_env_kwargs_the_env_does_not_take_are_an_error_naming_them():
+    with pytest.raises(ValueError, match=r"env_kwargs \{'foo': 1\} do not fit env "
+                                         r"'CartPole-v1': .*unexpected keyword argument 'foo'"):
+        sebulba.Config(env_kwargs={"foo": 1}).env_spec()

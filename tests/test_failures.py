@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +93,95 @@ class UpdateRaises(CountingAgent):
 def test_learner_error_stops_inferencers(no_leftovers):
     with pytest.raises(KeyError, match="bad update_experience"):
         make_loop(UpdateRaises, vectorization="async").run(10**9)
+
+
+class KilledInWorker(CountingEnv):
+    """Killed by `signum` in an async worker process (never in the test's own), at its
+    construction (`at_step=0`) or at step `at_step`."""
+
+    def __init__(self, signum: int = signal.SIGKILL, at_step: int = 10):
+        super().__init__()
+        self.signum, self.at_step, self.steps = signum, at_step, 0
+        self._maybe_die()
+
+    def _maybe_die(self):
+        if self.steps == self.at_step and multiprocessing.parent_process() is not None:
+            os.kill(os.getpid(), self.signum)
+
+    def step(self, action):
+        self.steps += 1
+        self._maybe_die()
+        return super().step(action)
+
+
+@pytest.mark.parametrize("at_step,signum,during", [
+    (10, signal.SIGKILL, "stepping its env"),
+    (0, signal.SIGSEGV, "starting"),
+])
+@pytest.mark.timeout(60)
+def test_an_async_worker_killed_by_a_signal_is_named(at_step, signum, during, no_leftovers):
+    # gymnasium reports a dead worker as the bare EOFError of its pipe.
+    env = functools.partial(KilledInWorker, signum, at_step)
+    cfg = sebulba.Config(env=env, envs_per_group=2, steps_per_cycle=4, async_factor=1,
+                         vectorization="async", shutdown_timeout_s=5.0)
+    loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)), cfg)
+    name = signal.Signals(signum).name
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"async env worker \d of 2 \(pid \d+\) was killed "
+                                           rf"by {name}.* while {during}") as info:
+        loop.run(10**9)
+    assert time.monotonic() - start < 30
+    assert isinstance(info.value.__cause__, EOFError | ConnectionResetError | BrokenPipeError)
+    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", str(info.value))]
+    assert pids and not [pid for pid in pids if _alive(pid)]
+
+
+NO_MAIN_GUARD = textwrap.dedent("""
+    import functools
+    import sebulba
+    from tests.counting_agent import CountingAgent
+    from tests.envs import CountingEnv
+    env = functools.partial(CountingEnv, 5)
+    cfg = sebulba.Config(env=env, envs_per_group=2, steps_per_cycle=4, async_factor=1,
+                         vectorization="async")
+    sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)), cfg).run(64)
+""")
+
+
+@pytest.mark.parametrize("layout", ["no guard", "guarded", "run above the guard"])
+@pytest.mark.timeout(60)
+def test_async_envs_in_a_script_without_a_main_guard_say_what_to_add(tmp_path, layout):
+    # With "spawn" each worker imports the main script again; without the guard it would
+    # start the run again in every worker (and the parent would see ConnectionResetError).
+    script = tmp_path / "train_script.py"
+    guard = 'if __name__ == "__main__":\n'
+    script.write_text({
+        "no guard": NO_MAIN_GUARD,
+        "guarded": ("def main():\n" + textwrap.indent(NO_MAIN_GUARD, "    ") + guard
+                    + "    main()\n"),
+        # Seen only once the workers fail: named as they are, with the same advice.
+        "run above the guard": NO_MAIN_GUARD + guard + "    pass\n",
+    }[layout])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=50)
+    if layout == "guarded":
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    advice = (f"with the 'spawn' start method each async env worker imports the main script "
+              f'{script} again, running its top-level code: put the code that starts the run '
+              'under `if __name__ == "__main__":`')
+    assert advice in last, result.stderr[-3000:]
+    if layout == "no guard":
+        assert last.startswith("RuntimeError: vectorization 'async': ")
+        assert "ConnectionResetError" not in result.stderr
+        assert "bootstrapping phase" not in result.stderr  # no worker was started
+    else:
+        assert re.match(r"RuntimeError: async env worker \d of 2 \(pid \d+\) exited with code 1",
+                        last)
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""

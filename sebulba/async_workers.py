@@ -1,0 +1,157 @@
+"""Async env workers that die or cannot start: errors that name them, not a bare EOFError.
+
+gymnasium's AsyncVectorEnv reports a worker killed by a signal, or one that failed to
+bootstrap because the main script has no `if __name__ == "__main__":` guard, as the pipe
+error its parent gets (EOFError, ConnectionResetError). Here they are RuntimeErrors naming
+the worker, its pid and its signal or exit code, with no worker left behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import gymnasium as gym
+
+# What a pipe to a worker process raises once the worker is gone.
+_PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
+
+
+def _main_script() -> str | None:
+    """The file the "spawn" and "forkserver" start methods run again in every worker
+    process (as `__mp_main__`), or None (an interactive session, `python -c`)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or hasattr(sys, "ps1"):
+        return None
+    return os.path.abspath(path)
+
+
+def _has_main_guard(path: str) -> bool | None:
+    """Whether the script compares `__name__` with "__main__" (or asks multiprocessing which
+    process it is, another way to keep a worker from starting the run); None if unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Name) and o.id == "__name__" for o in operands) and any(
+                    isinstance(c, ast.Constant) and c.value == "__main__"
+                    for o in operands for c in ast.walk(o)):
+                return True
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if name in ("parent_process", "current_process"):
+            return True
+    return False
+
+
+def _guard_advice(path: str, async_context: str) -> str:
+    return (f"with the {async_context!r} start method each async env worker imports the main "
+            f"script {path} again, running its top-level code: put the code that starts the "
+            'run under `if __name__ == "__main__":` so that workers only import it')
+
+
+def check_main_guard(async_context: str) -> None:
+    """RuntimeError, before any worker starts, if async env workers would run the main
+    script's run again: "spawn" and "forkserver" workers import the main script, and one
+    without an `if __name__ == "__main__":` guard starts the run (and async workers) in
+    every worker, which multiprocessing refuses; the parent would see only a
+    ConnectionResetError."""
+    if async_context == "fork":
+        return
+    path = _main_script()
+    if path is not None and _has_main_guard(path) is False:
+        raise RuntimeError(f"vectorization 'async': {_guard_advice(path, async_context)}")
+
+
+def _signal_name(exitcode: int) -> str | None:
+    """The signal that ended a process with this multiprocessing exit code (-signum)."""
+    if exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _describe_exit(exitcode: int) -> str:
+    name = _signal_name(exitcode)
+    return f"was killed by {name}" if name else f"exited with code {exitcode}"
+
+
+# What a signal that kills env workers usually means.
+_SIGNAL_HINTS = {
+    "SIGKILL": "SIGKILL comes from another process or the kernel's out-of-memory killer "
+               "(see dmesg)",
+    "SIGSEGV": "SIGSEGV is a crash in native code (the env's simulator or a library)",
+}
+
+
+def worker_death_error(processes: Sequence[multiprocessing.Process], during: str,
+                       context: str | None = None, wait_s: float = 2.0) -> RuntimeError | None:
+    """A RuntimeError naming the async env workers that have exited (index, pid, signal or
+    exit code), waiting up to `wait_s` for a dying one to be reaped; None if all live."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [(i, p) for i, p in enumerate(processes) if p.exitcode is not None]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not dead:
+        return None
+    described = "; ".join(f"async env worker {i} of {len(processes)} (pid {p.pid}) "
+                          f"{_describe_exit(p.exitcode)}" for i, p in dead[:4])
+    more = f" (and {len(dead) - 4} more)" if len(dead) > 4 else ""
+    message = f"{described}{more} while {during}"
+    hints = {_SIGNAL_HINTS[name] for _, p in dead
+             if (name := _signal_name(p.exitcode)) in _SIGNAL_HINTS}
+    message += "".join(f"; {hint}" for hint in sorted(hints))
+    if any(p.exitcode > 0 for _, p in dead):
+        message += "; a worker's own error, if it printed one, is above on stderr"
+        path = _main_script()
+        if during == "starting" and context != "fork" and path is not None:
+            message += f". If that error is about bootstrapping: {_guard_advice(path, context)}"
+    return RuntimeError(message)
+
+
+@contextlib.contextmanager
+def named_worker_deaths(vec: gym.vector.VectorEnv, during: str) -> Iterator[None]:
+    """Turns the bare EOFError of a pipe to a dead async worker into an error naming it."""
+    try:
+        yield
+    except _PIPE_ERRORS as e:
+        processes = getattr(vec, "processes", None)
+        error = worker_death_error(processes, during) if processes else None
+        if error is None:
+            raise
+        # No answer will come for the call under way: let close() terminate the workers
+        # instead of waiting for it (and failing on the dead pipe again).
+        vec._state = gym.vector.async_vector_env.AsyncState.DEFAULT
+        raise error from e
+
+
+class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
+    """gymnasium's AsyncVectorEnv, whose workers dying while it starts are an error
+    naming them (gymnasium's is the bare pipe error), with no worker left behind."""
+
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **kwargs: Any):
+        try:
+            super().__init__(env_fns, **kwargs)
+        except _PIPE_ERRORS as e:
+            error = worker_death_error(getattr(self, "processes", []), "starting",
+                                       kwargs.get("context"))
+            if hasattr(self, "_state"):
+                self.close(terminate=True)
+            if error is None:
+                raise
+            raise error from e
