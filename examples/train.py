@@ -55,6 +55,10 @@ _SAVE_EXPERIENCE = flags.DEFINE_bool(
 _RESUME = flags.DEFINE_bool(
     "resume", False, "Continue from the latest checkpoint in --logdir; an error if there is "
     "none (or it is of another agent or env).")
+_RESUME_IF_PRESENT = flags.DEFINE_bool(
+    "resume_if_present", False,
+    "Continue from the latest checkpoint in --logdir if there is one, else start there: one "
+    "command for a job that a cluster preempts and requeues (SIGTERM saves a checkpoint).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "host:port of process 0 for a multi-process run (jax.distributed); unset: one process.")
@@ -157,8 +161,12 @@ def quiet_info() -> Iterator[None]:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _RESUME.value and not _LOGDIR.value:
-        raise app.UsageError("--resume needs --logdir")
+    for holder in (_RESUME, _RESUME_IF_PRESENT):
+        if holder.value and not _LOGDIR.value:
+            raise app.UsageError(f"--{holder.name} needs --logdir")
+    if _RESUME.value and _RESUME_IF_PRESENT.value:
+        raise app.UsageError("--resume and --resume_if_present exclude each other: --resume "
+                             "requires a checkpoint, --resume_if_present takes one if present")
     check_agent_flags(_AGENT.value)
     checkpointer = None
     try:  # every bad value is reported here, before envs, threads or devices start
@@ -207,7 +215,10 @@ def main(argv: list[str]) -> None:
                     raise ValueError(f"--resume: there is no checkpoint in {directory} to continue "
                                      "from (drop --resume to start a run there)")
                 checkpointer = Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
-            resume_step = checkpoint_to_resume(checkpointer, metadata) if _RESUME.value else None
+            resume_step = None
+            if _RESUME.value or (_RESUME_IF_PRESENT.value
+                                 and checkpointer.latest_step() is not None):
+                resume_step = checkpoint_to_resume(checkpointer, metadata)
     except ValueError as e:
         if checkpointer is not None:
             with quiet_info():

@@ -69,8 +69,10 @@ def _checkpoint_steps(logdir) -> list[int]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_exits_with_128_plus_its_number(signum, tmp_path):
     logdir = tmp_path / "run"
-    # async envs: worker processes, which must not outlive the run
-    proc = _launch([f"--logdir={logdir}", "--vectorization=async", *SMALL])
+    # async envs: worker processes, which must not outlive the run; --resume_if_present
+    # starts afresh where there is no checkpoint yet
+    proc = _launch([f"--logdir={logdir}", "--resume_if_present", "--vectorization=async",
+                    *SMALL])
     try:
         _wait_until_training(proc, logdir)
         workers = _descendants(proc.pid)
@@ -96,8 +98,9 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_128_plus_its_number(signum, 
     assert not [p for p in workers if _alive(p)]
     if signum != signal.SIGTERM:
         return
-    # The next --resume continues from it.
-    args = [f"--logdir={logdir}", "--resume", *SMALL[:-1], f"--total_env_steps={steps[-1] + 1000}"]
+    # The same command again, as a requeued job runs it, continues from it.
+    args = [f"--logdir={logdir}", "--resume_if_present", *SMALL[:-1],
+            f"--total_env_steps={steps[-1] + 1000}"]
     resumed = subprocess.run([sys.executable, "-m", "examples.train", *args], cwd=ROOT,
                              env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                              capture_output=True, text=True, timeout=180)
