@@ -8,7 +8,8 @@ behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and
 weighs the returns and the policy gradient by clipped ratios pi / mu.
 
 One network protocol (`agents.common.networks`), feed-forward (separate tanh MLPs for
-policy and value) or recurrent (`use_lstm`: a resetting LSTM core). The core's state
+policy and value) or recurrent (`use_lstm`: resetting LSTM cores, by default one for the
+policy and one for the value, each behind its own torso: `networks.TwinLSTMCore`). The core's state
 lives in the StepState; acting resets it where an episode starts, and training unrolls
 the network over the trajectory from the state the actor had at its first step (kept
 from the initial StepState), with the same resets. Read top to
@@ -19,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import normalization, policy
+from agents.common import distributions, networks, normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
+from sebulba import observations
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 OPTIMIZERS = ("adam", "rmsprop")
@@ -35,14 +38,29 @@ OPTIMIZERS = ("adam", "rmsprop")
 @dataclasses.dataclass(frozen=True)
 class IMPALAConfig(policy.ActorCriticOptions):
     """Hyperparameters; the defaults learn CartPole-v1 with T = 32 (16 envs per group
-    learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py). The
-    fields of `policy.ActorCriticOptions` (normalization, the Gaussian's std) come first.
+    learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py). With
+    `use_lstm` three defaults differ (a value torso and LSTM of its own, rewards scaled,
+    lambda 0.9): they make the LSTM agent indifferent to the rewards' scale, and it learns
+    RepeatFirst-v0 (1/50 a step) and CartPoleNoVelocity-v1 (1 a step) with the same
+    settings (benchmarks/RESULTS.md, "IMPALA and the reward scale"). The fields of
+    `policy.ActorCriticOptions` (normalization, the Gaussian's std) come first.
 
     Attributes:
+      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
+        running std of the discounted return (the actors accumulate it; the learner
+        keeps the moments); "auto": on for Box action spaces and with use_lstm (a reward
+        of 1/50 a step otherwise leaves the LSTM's advantages below its entropy bonus,
+        one of 1 a step its values far above it).
       use_lstm: a resetting LSTM core between the torso and the heads (for partially
         observed envs); otherwise separate feed-forward policy and value MLPs.
       hidden_sizes: tanh layers of the MLPs (or of the torso before the LSTM).
       lstm_size: units of the LSTM core (only with use_lstm).
+      shared_core: with use_lstm, policy and value share one torso and one LSTM (linear
+        heads); False (the default): each has its own torso and LSTM of the same sizes,
+        as the feed-forward agent's policy and value have their own MLPs, so that the
+        value's loss does not reshape the policy's memory (with the other LSTM defaults:
+        0.44 on RepeatFirst-v0 at 1M steps shared, 0.99 apart). Frames always share one
+        Nature CNN and LSTM.
       optimizer: "adam" (the default: one setting learns CartPole and cue recall; the
         paper's RMSProp with eps 0.01 barely moved CartPole in 1M steps at lr 5e-4, its
         eps being large next to these small gradients) or "rmsprop" (decay 0.99).
@@ -54,16 +72,19 @@ class IMPALAConfig(policy.ActorCriticOptions):
       c_bar: clips the trace coefficients of the V-trace targets (speed of contraction).
       pg_rho_bar: clips the importance ratio of the policy gradient advantages.
       vtrace_lambda: scales the traces, c = lambda * min(c_bar, ratio); 1 in the paper.
+        -1 (the default): by network, 0.9 with use_lstm (less variance from the later
+        steps' sampled actions in its targets and advantages), 1 otherwise.
       baseline_cost: weight of the value's squared error (to the V-trace targets).
       entropy_cost: weight of a categorical policy's entropy bonus (Discrete and
         MultiDiscrete actions; `gaussian_entropy_cost` for Box ones).
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
       normalize_advantages: standardize the policy gradient's V-trace advantages within
-        each update (as PPO does within each minibatch). Off by default: it lets an LSTM
-        agent learn rewards of 1/50 a step, which raw advantages drown in the entropy
-        bonus, but without PPO's clipping it also made the LSTM agent collapse on
-        CartPole (benchmarks/RESULTS.md, "IMPALA and the reward scale").
+        each update (as PPO does within each minibatch). Off by default: it let the
+        shared-core LSTM agent learn rewards of 1/50 a step, but without PPO's clipping it
+        also made it collapse on CartPole, as tiny advantages near the optimum become
+        unit-sized ones (benchmarks/RESULTS.md, "IMPALA and the reward scale"); the LSTM
+        defaults scale the rewards instead.
     """
 
     use_lstm: bool = False
@@ -77,11 +98,12 @@ class IMPALAConfig(policy.ActorCriticOptions):
     rho_bar: float = 1.0
     c_bar: float = 1.0
     pg_rho_bar: float = 1.0
-    vtrace_lambda: float = 1.0
+    vtrace_lambda: float = -1.0
     baseline_cost: float = 0.5
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
     normalize_advantages: bool = False
+    shared_core: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,9 +120,11 @@ class IMPALAConfig(policy.ActorCriticOptions):
                      "pg_rho_bar"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("discount", "vtrace_lambda"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got {self.discount!r}")
+        if not (0.0 <= self.vtrace_lambda <= 1.0 or self.vtrace_lambda == -1.0):
+            raise ValueError(f"vtrace_lambda must be in [0, 1], got {self.vtrace_lambda!r} "
+                             "(or -1: by network)")
         for name in ("baseline_cost", "entropy_cost", "reward_clip"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -109,6 +133,32 @@ class IMPALAConfig(policy.ActorCriticOptions):
             raise ValueError(
                 f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
 
+    def resolved(self) -> IMPALAConfig:
+        """This config with the network-dependent defaults filled in: `vtrace_lambda` -1,
+        and `normalize_rewards` "auto" with use_lstm."""
+        return dataclasses.replace(
+            self,
+            vtrace_lambda=(self.vtrace_lambda if self.vtrace_lambda != -1.0
+                           else 0.9 if self.use_lstm else 1.0),
+            normalize_rewards=("on" if self.use_lstm and self.normalize_rewards == "auto"
+                               else self.normalize_rewards))
+
+
+def twin_lstm_network(env_spec: sebulba.EnvSpec, config: IMPALAConfig) -> networks.Unroll:
+    """Policy and value each with a tanh MLP torso of `hidden_sizes` and an LSTM of
+    `lstm_size` units (vector or discrete observations, normalized as
+    `networks.actor_critic` does)."""
+    space = env_spec.observation_space
+    torso = networks.TwinTorso(networks.torso_for(space, config.hidden_sizes),
+                      networks.torso_for(space, config.hidden_sizes))
+    if (policy.switch_on(config.normalize_observations, env_spec.action_space)
+            and observations.kind(space) == observations.VECTOR):
+        torso = nn.Sequential([normalization.ObservationNormalizer(len(space.shape)), torso])
+    head = distributions.policy_head_for(env_spec.action_space,
+                                         state_dependent_std=config.state_dependent_std)
+    return networks.Unroll(torso, networks.TwinLSTMCore(config.lstm_size), networks.TwinHead(
+        head, env_spec.agents_per_env if config.central_value else 1))
+
 
 class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     """IMPALA with V-trace, feed-forward or LSTM, for Discrete, MultiDiscrete and Box action
@@ -116,11 +166,14 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
 
     def __init__(self, env_spec: sebulba.EnvSpec, config: IMPALAConfig = IMPALAConfig()):
         super().__init__(env_spec)
-        self.config = config
+        self.config = config = config.resolved()
         self.entropy_cost = policy.entropy_cost(config, env_spec.action_space)
         self.network, self.return_discount = policy.actor_critic_network(
             env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
             config.discount)
+        if (config.use_lstm and not config.shared_core
+                and observations.kind(env_spec.observation_space) != observations.IMAGE):
+            self.network = twin_lstm_network(env_spec, config)
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
         else:

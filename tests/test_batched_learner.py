@@ -228,7 +228,8 @@ def test_impala_learns_from_two_trajectories_per_update(no_leftovers):
     assert np.isfinite(result.metrics["loss"]) and np.isfinite(result.metrics["rho_mean"])
     experience = result.state.experience  # of one learner device: 2 x 8 / 2 envs
     assert experience.trajectory.actor_outputs.action.shape == (8, 8)
-    assert experience.core.cell.shape == (8, 16)
+    # the policy's and the value's LSTM states (IMPALA's LSTM has a value core of its own)
+    assert [c.cell.shape for c in experience.core] == [(8, 16), (8, 16)]
 
 
 @pytest.mark.timeout(240)

@@ -66,14 +66,14 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     assert lstm.mean_return(0.9, 1.0) >= 0.9, lstm.summary()
 
 
-@pytest.mark.timeout(300)
-def test_standardized_advantages_let_the_lstm_learn_rewards_of_one_fiftieth(no_leftovers):
-    # RepeatFirst: name the symbol shown at step 0 at each of 50 steps, 1/50 a step
-    # (chance 0.265 without memory). Raw V-trace advantages of ~1/50 drown in the entropy
-    # bonus: measured 2026-11-24 (seed 0), the LSTM agent stayed at chance at 1M steps,
-    # its entropy at the maximum (1.385 of ln 4). Standardized, it scored about 0.6 at
-    # 300k and 0.843 at 1M. ~20 s alone.
-    result = train(memory_envs.REPEAT_FIRST, 300_000, seed=0,
-                   agent_config=IMPALAConfig(use_lstm=True, normalize_advantages=True))
-    assert result.mean_return(0.9, 1.0) >= 0.45, result.summary()
-    assert result.metrics["entropy"] < 1.2, result.metrics
+@pytest.mark.timeout(400)
+def test_the_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
+    # RepeatFirst: name the symbol shown at step 0 at each of 50 steps, 1/50 a step;
+    # without memory the best is 0.265 (feed-forward IMPALA: 0.268 at 1M). With the LSTM
+    # defaults (a value torso and LSTM of its own, rewards scaled, lambda 0.9), measured
+    # 2026-11-24 at 1M steps: 0.995, 0.995, 0.994 (seeds 0, 1, 2; >= 0.96 by 500k-700k).
+    # With the old shared core and raw rewards it stayed at chance, its entropy at the
+    # maximum. ~50-70 s on 2 cores.
+    result = train(memory_envs.REPEAT_FIRST, 1_000_000, seed=0,
+                   agent_config=IMPALAConfig(use_lstm=True))
+    assert result.mean_return(0.9, 1.0) >= 0.8, result.summary()

@@ -228,9 +228,10 @@ def test_shared_policy_ppo_learns_distinct_roles_only_when_it_sees_agent_ids(no_
 @pytest.mark.parametrize("seed", [1, 2])
 def test_shared_policy_lstm_ppo_and_impala_learn_role_call(seed):
     """With agent ids, >= 0.9 of the optimum: PPO feed-forward and LSTM, and IMPALA.
-    IMPALA with an LSTM stays at chance here (0.335) as on issue 13's repeat-first task:
-    that is issue 13's IMPALA-LSTM problem, not a multi-agent one. Figures: RESULTS.md,
-    "Multi-agent"."""
+    IMPALA with an LSTM stayed at chance here (0.335) with its LSTM defaults before
+    2026-11-24, as on issue 13's repeat-first task (an IMPALA-LSTM problem, not a
+    multi-agent one; its new defaults are not measured on RoleCall yet). Figures:
+    RESULTS.md, "Multi-agent"."""
     for use_lstm in (False, True):
         cfg = dataclasses.replace(ROLE_PPO, use_lstm=use_lstm)
         ret = role_call_return(PPO, cfg, 600_000, agent_ids=True, seed=seed)

@@ -282,6 +282,58 @@ def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
     return MLP(tuple(hidden_sizes), activation, obs_rank=len(observation_space.shape))
 
 
+# Policy and value that share no weights, as the pieces of one `Unroll` (IMPALA's LSTM
+# agent): the features are the policy's and the value's side by side.
+
+
+class TwinTorso(nn.Module):
+    """Two torsos over the same observations; features [..., D_policy + D_value]."""
+
+    policy: nn.Module
+    value: nn.Module
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.concatenate([self.policy(x), self.value(x)], axis=-1)
+
+
+class TwinLSTMCore(nn.Module):
+    """Two resetting LSTMs of `size` units, over the two halves of the features (from
+    `TwinTorso`, two torsos of equal sizes); state (policy's, value's) `LSTMState`s."""
+
+    size: int
+
+    def initial_state(self, batch_size: int) -> tuple[LSTMState, LSTMState]:
+        return (initial_lstm_state(batch_size, self.size),
+                initial_lstm_state(batch_size, self.size))
+
+    @nn.compact
+    def __call__(self, state: tuple[LSTMState, LSTMState], x: jax.Array,
+                 first: jax.Array) -> tuple[tuple[LSTMState, LSTMState], jax.Array]:
+        policy_x, value_x = jnp.split(x, 2, axis=-1)
+        policy_state, policy_y = ResetLSTM(self.size, name="policy_lstm")(
+            state[0], policy_x, first)
+        value_state, value_y = ResetLSTM(self.size, name="value_lstm")(
+            state[1], value_x, first)
+        return (policy_state, value_state), jnp.concatenate([policy_y, value_y], axis=-1)
+
+
+class TwinHead(nn.Module):
+    """The policy from the first half of the features, a linear value from the second
+    (with `central_agents` K > 1, and the K agents' second halves: `PolicyValueHead`)."""
+
+    policy_head: nn.Module
+    central_agents: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> PolicyValue:
+        policy_x, value_x = jnp.split(x, 2, axis=-1)
+        if self.central_agents > 1:
+            value_x = jnp.concatenate(
+                [value_x, joint_features(value_x, self.central_agents)], axis=-1)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0), name="value")(value_x)
+        return PolicyValue(self.policy_head(policy_x), value[..., 0])
+
+
 def actor_critic(action_space: gym.Space, observation_space: gym.Space,
                  hidden_sizes: Sequence[int], lstm_size: int = 0, *,
                  state_dependent_std: bool = False,
