@@ -51,11 +51,13 @@ def test_r2d2_recalls_the_cue_where_a_feed_forward_q_network_cannot(no_leftovers
     assert feed_forward.mean_return(0.9, 1.0) <= 0.6, feed_forward.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_r2d2_balances_cartpole_without_velocities(no_leftovers):
     # The issue asks for >= 150 within 1M steps; 300k suffice. Measured last-10% means at
-    # 300k (seeds 0, 1, 2): 375, 388, 390 (~150 is passed near 200k); 30-40 s per run on 2
-    # cores at load ~2-4, 72 s at load ~12.
+    # 300k (seeds 0, 1, 2): 375, 388, 390 with Adam's epsilon 1e-3 (~150 is passed near
+    # 200k); it passes with today's 1e-6 too (2026-11-24). 30-50 s per run on 2 cores: in
+    # the slow set since the default suite passed 15 minutes (cue recall stays there).
     config = R2D2Config(torso_sizes=(64,), lstm_size=64, head_sizes=(64,),
                         sequence_length=40, sequence_overlap=20, burn_in=10, n_step=5,
                         discount=0.99, target_update_period=200, learning_rate=5e-4,
