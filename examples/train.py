@@ -134,14 +134,18 @@ def flag_message(message: str, agent_name: str) -> str:
     return f"--{name}{message[match.end():]}" if name else message
 
 
+def no_checkpoint_error(directory: str) -> ValueError:
+    # Silently starting afresh would overwrite what the user meant to extend.
+    return ValueError(f"--resume: there is no checkpoint in {directory} to continue from "
+                      "(drop --resume to start a run there)")
+
+
 def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict) -> int:
     """The step --resume continues from; ValueError if there is no checkpoint or it is of
     another agent or env."""
     step = checkpointer.latest_step()
-    if step is None:  # silently starting afresh would overwrite what the user meant to extend
-        raise ValueError(
-            f"--resume: there is no checkpoint in {checkpointer.directory} to continue from "
-            "(drop --resume to start a run there)")
+    if step is None:
+        raise no_checkpoint_error(checkpointer.directory)
     checkpointer.check_metadata(metadata, step)
     return step
 
@@ -212,8 +216,7 @@ def main(argv: list[str]) -> None:
             if _LOGDIR.value:
                 directory = os.path.join(_LOGDIR.value, "checkpoints")
                 if _RESUME.value and not os.path.isdir(directory):  # and do not create it
-                    raise ValueError(f"--resume: there is no checkpoint in {directory} to continue "
-                                     "from (drop --resume to start a run there)")
+                    raise no_checkpoint_error(directory)
                 checkpointer = Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
             resume_step = None
             if _RESUME.value or (_RESUME_IF_PRESENT.value
