@@ -35,10 +35,13 @@ import sebulba
 from agents.registry import AGENTS
 from examples.config_flags import define_config_flags, define_run_flags, run_main
 from sebulba import distributed
-from sebulba.checkpoint import Checkpointer
+from sebulba.checkpoint import Checkpointer, ProcessCheckpointer, process_directory
 from sebulba.envs import check_env_id
 from sebulba.metrics import Reporter, default_writers
 from sebulba.preemption import Preemption
+
+# --checkpoint_experience=auto saves experiences up to this size per process.
+EXPERIENCE_AUTO_MIB = 256
 
 _AGENT = flags.DEFINE_enum("agent", "ppo", sorted(AGENTS), "Which agent to train.")
 _TOTAL_ENV_STEPS = flags.DEFINE_integer(
@@ -50,8 +53,11 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every_steps", 100_000, "Env steps between checkpoints (needs --logdir).")
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
-_SAVE_EXPERIENCE = flags.DEFINE_bool(
-    "checkpoint_experience", False, "Also checkpoint the experience (replay) state.")
+_SAVE_EXPERIENCE = flags.DEFINE_enum(
+    "checkpoint_experience", "auto", ["auto", "on", "off"],
+    "Checkpoint the learner's experience (PPO's batch and minibatch key, R2D2's replay) so "
+    "that a resumed run continues it; auto: when it is at most "
+    f"{EXPERIENCE_AUTO_MIB} MiB per process (a large replay is refilled instead).")
 _RESUME = flags.DEFINE_bool(
     "resume", False, "Continue from the latest checkpoint in --logdir; an error if there is "
     "none (or it is of another agent or env).")
@@ -162,6 +168,17 @@ def quiet_info() -> Iterator[None]:
         absl_logging.set_verbosity(verbosity)
 
 
+def experience_mib(experience) -> float:
+    return sum(x.nbytes for x in jax.tree.leaves(experience)) / 2**20
+
+
+def save_experience(experience, num_local_learners: int) -> bool:
+    """Whether checkpoints hold the experience (--checkpoint_experience)."""
+    if _SAVE_EXPERIENCE.value != "auto":
+        return _SAVE_EXPERIENCE.value == "on"
+    return experience_mib(experience) * num_local_learners <= EXPERIENCE_AUTO_MIB
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -232,25 +249,43 @@ def main(argv: list[str]) -> None:
     preemption = Preemption(_GRACE.value)
 
     state = loop.initial_state()
+    num_local_learners = len(loop.local_learner_devices)
+    with_experience = save_experience(state.experience, num_local_learners)
+    # Each process's own part of a checkpoint (its envs' step state and its learner
+    # devices' experience); process 0's is in the checkpoint itself.
+    own = checkpointer
+    if checkpointer is not None and not primary:
+        own = ProcessCheckpointer(
+            process_directory(checkpointer.directory, jax.process_index()),
+            max_to_keep=_KEEP.value)
     local_experience = None
-    consumed = 0
+    consumed = learner_updates = 0
     if resume_step is not None:
-        like_experience = (
-            jax.tree.map(lambda x: jax.numpy.stack([x] * len(loop.local_learner_devices)),
-                         state.experience) if _SAVE_EXPERIENCE.value else None)
+        like_experience = jax.tree.map(lambda x: jax.numpy.stack([x] * num_local_learners),
+                                       state.experience)
         restored = checkpointer.restore(nets=state.nets, opt=state.opt, metadata=metadata,
-                                        local_experience=like_experience, step=resume_step)
-        state = state._replace(nets=restored.nets, opt=restored.opt)
-        local_experience = restored.local_experience
+                                        step=resume_step)
+        if resume_step not in own.all_steps():
+            raise ValueError(f"--resume: checkpoint {resume_step} has no part of process "
+                             f"{jax.process_index()} in {own.directory}")
+        mine = own.restore(nets=None, opt=None, metadata=metadata, step=resume_step,
+                           local_experience=like_experience, step_state=state.step_state)
+        state = state._replace(nets=restored.nets, opt=restored.opt,
+                               step_state=(state.step_state if mine.step_state is None
+                                           else mine.step_state))
+        local_experience = mine.local_experience
         consumed = restored.counters["consumed"]
+        learner_updates = restored.counters.get("learner_updates", 0)
         if primary:
-            print(f"resumed from {checkpointer.directory} at {consumed:,} env steps")
+            kept = "" if local_experience is not None else "; experience starts empty"
+            print(f"resumed from {checkpointer.directory} at {consumed:,} env steps, "
+                  f"learner update {learner_updates:,}{kept}")
     remaining = _TOTAL_ENV_STEPS.value - consumed
     if remaining <= 0:
         if primary:
             print(f"nothing to do: {consumed:,} of {_TOTAL_ENV_STEPS.value:,} env steps done")
-        if checkpointer is not None:
-            checkpointer.close()
+        for c in {checkpointer, own} - {None}:
+            c.close()
         return
 
     writer = default_writers(_LOGDIR.value) if (_LOGDIR.value and primary) else None
@@ -260,11 +295,13 @@ def main(argv: list[str]) -> None:
     next_save = consumed + _CHECKPOINT_EVERY.value
 
     def save(step: int, info) -> None:
+        """Every process saves its own part at the same update (their steps agree)."""
         nets, opt, experience = info.learner_state()
-        checkpointer.save(
-            step, nets=nets, opt=opt, metadata=metadata,
-            counters={"consumed": step, "learner_updates": info.version},
-            local_experience=experience if _SAVE_EXPERIENCE.value else None)
+        own.save(step, nets=nets if primary else None, opt=opt if primary else None,
+                 metadata=metadata,
+                 counters={"consumed": step, "learner_updates": info.version},
+                 local_experience=experience if with_experience else None,
+                 step_state=info.actor_state())
 
     last_info = None
 
@@ -273,7 +310,7 @@ def main(argv: list[str]) -> None:
         last_info = info
         reporter(info)
         step = reporter.global_step(info)
-        if checkpointer is not None and primary and step >= next_save:
+        if own is not None and step >= next_save:
             save(step, info)
             next_save = step + _CHECKPOINT_EVERY.value
 
@@ -281,15 +318,16 @@ def main(argv: list[str]) -> None:
         with preemption:
             result = loop.run(remaining, state, on_update=on_update,
                               local_experience=local_experience, stop=preemption.event,
-                              progress_timeout_s=_PROGRESS_TIMEOUT.value)
-            if checkpointer is not None and primary and last_info is not None:
+                              progress_timeout_s=_PROGRESS_TIMEOUT.value,
+                              learner_updates=learner_updates)
+            if own is not None and last_info is not None:
                 step = reporter.global_step(last_info)
-                if step not in checkpointer.all_steps():
+                if step not in own.all_steps():
                     save(step, last_info)
     finally:
         reporter.close()
-        if checkpointer is not None:
-            checkpointer.close()
+        for c in {checkpointer, own} - {None}:
+            c.close()
     if primary:  # every process has the same networks: report once
         print(result.summary())
         summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}

@@ -132,9 +132,11 @@ class RunResult:
         when it consumed the trajectory minus its updates when it published the networks
         that acted (0: the freshest networks possible).
       stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
-        for room), queue_get (learner waiting), update_experience, optimize.
-      learner_updates: learner updates (one update_experience each, on
-        `trajectories_per_update` trajectories joined; the unit of policy lag).
+        for room), queue_get (learner waiting), update_experience, optimize;
+        wait_for_networks (lockstep acting waiting for the learner).
+      learner_updates: learner updates of this run (one update_experience each, on
+        `trajectories_per_update` trajectories joined; the unit of policy lag); a
+        resumed run's learner version is its `run(learner_updates=)` plus these.
       optimizer_steps: optimizer steps run (learner_updates x
         num_off_policy_optims_per_cycle(), skipped warm-up steps included).
       metrics: the learner's last metrics (floats).

@@ -1,9 +1,17 @@
 """Checkpoints of the learner state on disk, with orbax-checkpoint.
 
-A checkpoint holds the networks, the optimizer state, the step counters and, when asked,
-each local learner device's experience, plus JSON metadata naming the agent, its config,
-the env and the shapes of its networks. Restoring checks the metadata against the run that
-restores it and refuses a checkpoint of another agent, another env or network shape.
+A checkpoint holds the networks, the optimizer state, the step counters (the learner's
+updates among them), the acting state of the envs (`UpdateInfo.actor_state()`) and, when
+asked, each local learner device's experience, plus JSON metadata naming the agent, its
+config, the env and the shapes of its networks. Restoring checks the metadata against the
+run that restores it and refuses a checkpoint of another agent, another env or network
+shape.
+
+In a multi-process run the networks and optimizer state are the same everywhere and
+process 0 saves them with its own acting state and experience; process i > 0 saves its
+acting state and experience in a directory of its own (`process_directory`), with a
+`ProcessCheckpointer`: orbax's handlers write host arrays on one primary host only, so
+they cannot write a part that only process i holds.
 """
 
 from __future__ import annotations
@@ -23,9 +31,10 @@ from sebulba.types import PyTree
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    nets: PyTree
+    nets: PyTree | None
     opt: PyTree | None
     local_experience: PyTree | None  # leaves [num_local_learners, ...], if it was saved
+    step_state: PyTree | None  # this process's envs' StepState, if it was saved
     counters: dict[str, int]  # version, consumed (global), env_steps (this process)
     metadata: dict[str, Any]
 
@@ -97,6 +106,12 @@ def _from_saved(saved: PyTree, like: PyTree) -> PyTree:
     return jax.tree.map(back, saved, like)
 
 
+def process_directory(directory: str, process_index: int) -> str:
+    """Where process `process_index` of a multi-process run keeps its own part of the
+    checkpoints in `directory` (process 0 keeps its part in `directory` itself)."""
+    return directory if process_index == 0 else f"{directory}_process_{process_index}"
+
+
 class Checkpointer:
     """Keeps the last `max_to_keep` checkpoints in `directory`.
 
@@ -123,8 +138,8 @@ class Checkpointer:
                 ),
             )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("nets", "opt", "experience", "meta")
-        )
+            self.directory, options=options,
+            item_names=("nets", "opt", "experience", "step_state", "meta"))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -136,22 +151,28 @@ class Checkpointer:
         self,
         step: int,
         *,
-        nets: PyTree,
-        opt: PyTree,
+        nets: PyTree | None,
+        opt: PyTree | None,
         counters: Mapping[str, int],
         metadata: Mapping[str, Any],
         local_experience: PyTree | None = None,
+        step_state: PyTree | None = None,
     ) -> None:
-        """Writes checkpoint `step` (blocking, so a crash right after loses nothing)."""
-        trees = {"nets": nets, "opt": opt, "experience": local_experience}
+        """Writes checkpoint `step` (blocking, so a crash right after loses nothing).
+
+        None leaves a part out: a process other than 0 saves only its own step state and
+        experience."""
+        trees = {"nets": nets, "opt": opt, "experience": local_experience,
+                 "step_state": step_state}
         # Orbax refuses empty trees (an optimizer state of ()); they need no saving.
         items = {name: ocp.args.StandardSave(_to_savable(tree))
                  for name, tree in trees.items() if tree is not None and jax.tree.leaves(tree)}
         meta = {
             **metadata,
             "counters": {k: int(v) for k, v in counters.items()},
-            "nets_signature": tree_signature(nets),
+            "nets_signature": None if nets is None else tree_signature(nets),
             "has_experience": local_experience is not None,
+            "has_step_state": step_state is not None,
         }
         json.dumps(meta)  # fail here, not inside orbax, on metadata that is not JSON
         self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
@@ -160,23 +181,25 @@ class Checkpointer:
     def restore(
         self,
         *,
-        nets: PyTree,
+        nets: PyTree | None,
         opt: PyTree | None,
         metadata: Mapping[str, Any],
         local_experience: PyTree | None = None,
+        step_state: PyTree | None = None,
         step: int | None = None,
     ) -> Restored:
         """Restores checkpoint `step` (default: the latest) into the shapes of the given trees.
 
-        `nets`, `opt` and `local_experience` are this run's freshly built state, used as
-        the target (None: not restored); `metadata` is this run's, and its "agent" entry
-        and the network signature must match the checkpoint's.
+        `nets`, `opt`, `local_experience` and `step_state` are this run's freshly built
+        state, used as the target (None: not restored; the last two only if saved);
+        `metadata` is this run's, and its "agent" entry and the network signature must
+        match the checkpoint's.
         """
         step = self.latest_step() if step is None else step
         meta = self.check_metadata(metadata, step)
         where = f"checkpoint {step} in {self.directory}"
-        signature = tree_signature(nets)
-        if meta["nets_signature"] != signature:
+        signature = None if nets is None else tree_signature(nets)
+        if nets is not None and meta["nets_signature"] != signature:
             differ = sorted(
                 k for k in set(signature) | set(meta["nets_signature"])
                 if signature.get(k) != meta["nets_signature"].get(k)
@@ -190,18 +213,19 @@ class Checkpointer:
             )
         # Each part is its own item: a run that does not want one (evaluation needs no
         # optimizer, a run may start with empty experience) does not read it.
-        with_experience = meta["has_experience"] and local_experience is not None
         wanted = {"nets": nets, "opt": opt,
-                  "experience": local_experience if with_experience else None}
+                  "experience": local_experience if meta["has_experience"] else None,
+                  "step_state": step_state if meta.get("has_step_state") else None}
         wanted = {k: v for k, v in wanted.items() if v is not None}
         items = {k: ocp.args.StandardRestore(_to_savable(v))
                  for k, v in wanted.items() if jax.tree.leaves(v)}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         out = {k: _from_saved(restored[k], v) if k in items else v for k, v in wanted.items()}
         return Restored(
-            nets=out["nets"],
+            nets=out.get("nets"),
             opt=out.get("opt"),
             local_experience=out.get("experience"),
+            step_state=out.get("step_state"),
             counters=dict(meta["counters"]),
             metadata=meta,
         )
@@ -240,3 +264,82 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+class ProcessCheckpointer:
+    """One process's own part of a multi-process checkpoint (its envs' step state and its
+    learner devices' experience), as one `.npz` of host arrays and one JSON of metadata
+    per step, written to temporary names and renamed, so a step is complete or absent.
+
+    The same `save` / `restore` / `all_steps` as `Checkpointer` for these parts.
+    """
+
+    def __init__(self, directory: str, *, max_to_keep: int = 3):
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
+        os.makedirs(self.directory, exist_ok=True)
+
+    def _path(self, step: int, suffix: str) -> str:
+        return os.path.join(self.directory, f"{step}{suffix}")
+
+    def all_steps(self) -> list[int]:
+        return sorted(int(name[:-5]) for name in os.listdir(self.directory)
+                      if name.endswith(".json") and name[:-5].isdigit())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, *, counters: Mapping[str, int], metadata: Mapping[str, Any],
+             local_experience: PyTree | None = None, step_state: PyTree | None = None,
+             nets: None = None, opt: None = None) -> None:
+        if nets is not None or opt is not None:
+            raise ValueError("a process's own part holds no networks or optimizer state: "
+                             "process 0's Checkpointer saves them")
+        arrays = {}
+        for part, tree in (("experience", local_experience), ("step_state", step_state)):
+            if tree is not None:
+                for path, x in jax.tree_util.tree_leaves_with_path(_to_savable(tree)):
+                    arrays[part + jax.tree_util.keystr(path)] = x
+        meta = {**metadata, "counters": {k: int(v) for k, v in counters.items()},
+                "has_experience": local_experience is not None,
+                "has_step_state": step_state is not None}
+        with open(self._path(step, ".npz.tmp"), "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(self._path(step, ".npz.tmp"), self._path(step, ".npz"))
+        with open(self._path(step, ".json.tmp"), "w") as f:
+            json.dump(meta, f)
+        os.replace(self._path(step, ".json.tmp"), self._path(step, ".json"))  # the commit
+        for old in self.all_steps()[:-self.max_to_keep]:
+            for suffix in (".json", ".npz"):
+                os.remove(self._path(old, suffix))
+
+    def restore(self, *, metadata: Mapping[str, Any], local_experience: PyTree | None = None,
+                step_state: PyTree | None = None, step: int | None = None,
+                nets: None = None, opt: None = None) -> Restored:
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint {step} in {self.directory}; there are "
+                                    f"{self.all_steps()}")
+        with open(self._path(step, ".json")) as f:
+            meta = json.load(f)
+        if meta.get("agent") != metadata.get("agent"):
+            raise ValueError(f"checkpoint {step} in {self.directory} was written by agent "
+                             f"{meta.get('agent')!r}; this run's agent is "
+                             f"{metadata.get('agent')!r}")
+        out = {}
+        with np.load(self._path(step, ".npz")) as saved:
+            for part, like in (("experience", local_experience), ("step_state", step_state)):
+                if like is None or not meta[f"has_{part}"]:
+                    continue
+                paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+                leaves = [saved[part + jax.tree_util.keystr(p)] for p, _ in paths]
+                out[part] = _from_saved(jax.tree.unflatten(treedef, leaves), like)
+        return Restored(nets=None, opt=None, local_experience=out.get("experience"),
+                        step_state=out.get("step_state"), counters=dict(meta["counters"]),
+                        metadata=meta)
+
+    def close(self) -> None:
+        pass

@@ -66,6 +66,13 @@ class Config:
         in the same episode phase (seed 001's "no temporal diversity"). Needs a time
         limit (a registered `max_episode_steps` or a `TimeLimit` wrapper) and per-env
         vectorization ("sync" or "async").
+      lockstep: acting waits for the learner: every inference cycle acts with the
+        networks learnt from all trajectories before it (policy lag 0), so a run on
+        deterministic envs repeats bit for bit, and so does a run resumed from a
+        checkpoint. Acting and learning no longer overlap: for reproducing and
+        debugging, not for speed. Needs one env group per process (async_factor 1,
+        one inference device) and a vectorization that steps envs in order (not
+        "envpool"), so that trajectories reach the learner in a fixed order.
     """
 
     env: str | EnvFactory = "CartPole-v1"
@@ -86,6 +93,7 @@ class Config:
     seed: int = 0
     desync_episodes: bool = False
     agent_ids: bool = False
+    lockstep: bool = False
 
     def __post_init__(self):
         _positive("envs_per_group", self.envs_per_group)
@@ -116,6 +124,11 @@ class Config:
             raise ValueError(
                 "desync_episodes wraps each env, so it needs vectorization 'sync' or 'async', "
                 f"got {self.vectorization!r}")
+        if not isinstance(self.lockstep, bool):
+            raise ValueError(f"lockstep must be a bool, got {self.lockstep!r}")
+        if self.lockstep and self.vectorization == "envpool":
+            raise ValueError("lockstep needs envs stepped in order; vectorization 'envpool' "
+                             "returns whichever envs are ready")
         if not (isinstance(self.env, str) or callable(self.env)):
             raise TypeError(f"env must be an env id or a factory, got {self.env!r}")
         if self.vectorization in ("vector_entry_point", "envpool") and \
@@ -140,6 +153,12 @@ class Config:
                 f"learner devices ({num_learners}): each trajectory is split over them"
             )
         self.resolved_inference_devices()
+        if self.lockstep and self.num_groups != 1:
+            raise ValueError(
+                f"lockstep needs one env group per process, got {self.num_groups} "
+                f"(async_factor={self.async_factor} x "
+                f"{len(self.resolved_inference_devices())} inference devices): with several "
+                "groups the order in which trajectories reach the learner depends on timing")
 
     def env_spec(self) -> EnvSpec:
         """The spec of this run's env, as the loop checks the agent's against."""

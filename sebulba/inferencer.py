@@ -177,7 +177,13 @@ class EnvGroupRunner:
         stop: threading.Event,
         errors: ErrorBox,
         accounting: Accounting,
+        lockstep: tuple[int, int] | None = None,
     ):
+        """`lockstep` = (learner updates at the run's start, trajectories per update):
+        cycle c acts only with the networks of update start + c // K, learnt from every
+        trajectory before it (`Config.lockstep`; one group, in-order sources only)."""
+        if lockstep is not None and not source.in_order:
+            raise ValueError("lockstep needs a source whose envs step in order")
         self.first_group = first_group
         self.device = device
         self.source = source
@@ -191,6 +197,7 @@ class EnvGroupRunner:
         self.stop = stop
         self.errors = errors
         self.accounting = accounting
+        self.lockstep = lockstep
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
         self.finished = False  # the thread left its loop without an error
 
@@ -252,6 +259,10 @@ class EnvGroupRunner:
                 clock.flush_into(self.accounting)
                 initial, record, t, c = final, None, 0, c + 1
             if record is None:  # a cycle starts with the latest networks
+                if self.lockstep is not None:
+                    if not self._wait_for_networks(c):
+                        return
+                    clock.lap("wait_for_networks")
                 version, nets = self.staging.latest()
                 record = _Cycle(version, env_step, source.num_envs, steps)
             output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
@@ -265,6 +276,16 @@ class EnvGroupRunner:
             clock.lap("record")
             source.send(output.action, ids)
             clock.lap("env_step")
+
+    def _wait_for_networks(self, cycle: int) -> bool:
+        """Lockstep: waits until the networks cycle `cycle` acts with are published;
+        False if the run stopped first."""
+        start, per_update = self.lockstep
+        wanted = start + cycle // per_update
+        while self.staging.latest()[0] < wanted:
+            if self.stop.wait(0.0005):  # an update takes far longer than this poll
+                return False
+        return True
 
     def _run_by_id(self) -> None:
         """A source whose recv returns any E of its envs (EnvPool): per-env cycles."""

@@ -45,6 +45,8 @@ class UpdateInfo:
       accounting: live counters (env steps, consumed, episodes, stage seconds) of this
         process; read them, don't change them.
       learner_state(): the full learner state, for checkpoints.
+      actor_state(): this process's StepState where the learner's data ends, for
+        checkpoints.
     """
 
     version: int
@@ -60,11 +62,39 @@ class UpdateInfo:
         return (sharding.first_replica(snap.nets), sharding.first_replica(snap.opt),
                 sharding.local_entries(snap.experience))
 
+    def actor_state(self) -> PyTree:
+        """The StepState of this process's envs (leaves [envs, ...]) that goes with
+        `learner_state()`: each group's as it was at the end of the last trajectory the
+        learner has learnt from (trajectories acted since are not in the learner state).
+        With both, a run resumes where the learner stands (`Sebulba.run`'s `state` and
+        `learner_updates`)."""
+        return self._learner.cut.step_state()
+
 
 class _LearnerSnapshot(NamedTuple):
     nets: PyTree
     opt: PyTree
     experience: PyTree
+    cut: _ConsumedCut
+
+
+class _ConsumedCut:
+    """Per env group, the StepState at the end of the last trajectory the learner took:
+    the actors' half of a consistent learner state (trajectories in flight and queued
+    are not learnt from yet; a run resumed from this state acts them again)."""
+
+    def __init__(self, initial: PyTree, num_groups: int, rows_per_group: int):
+        self.initial = [_slice_env_axis(initial, g * rows_per_group, rows_per_group)
+                        for g in range(num_groups)]
+        self.final: dict[int, PyTree] = {}  # group -> as the learner got it (sharded)
+
+    def consumed(self, item: QueueItem) -> None:
+        self.final[item.group] = item.final_step_state
+
+    def step_state(self) -> PyTree:
+        return _concat_env_axis([
+            sharding.unshard_env_axis(self.final[g]) if g in self.final else initial
+            for g, initial in enumerate(self.initial)])
 
 
 class Sebulba:
@@ -131,6 +161,7 @@ class Sebulba:
         local_experience: PyTree | None = None,
         stop: threading.Event | None = None,
         progress_timeout_s: float | None = 600.0,
+        learner_updates: int = 0,
     ) -> RunResult:
         """Acts and learns until the learner has consumed `total_env_steps` env steps.
 
@@ -153,13 +184,25 @@ class Sebulba:
             this long ends this process (exit code `watchdog.EXIT_CODE`), naming the
             processes that are behind (`sebulba.watchdog`); None: wait forever. Allow
             for the first update's compilation and the slowest inference cycle.
+          learner_updates: updates the learner made before this run (a resumed run
+            passes its checkpoint's): the version its networks are published under
+            (`Agent.acting_nets` sees it; policy lags and lockstep count from it), and
+            a new draw of env seeds, so that a resumed run does not replay its first
+            episodes. A resumed run continues the learner exactly when `state` holds
+            the checkpoint's nets, opt and `UpdateInfo.actor_state()` (its step state)
+            and `local_experience` the checkpoint's experience.
         Returns:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
         """
         if not isinstance(total_env_steps, int) or total_env_steps < 1:
             raise ValueError(f"total_env_steps must be an int >= 1, got {total_env_steps!r}")
+        if not isinstance(learner_updates, int) or learner_updates < 0:
+            raise ValueError(f"learner_updates must be an int >= 0, got {learner_updates!r}")
         cfg = self.config
+        if cfg.lockstep and not (learn and self.learner.optims_per_update > 0):
+            raise ValueError("lockstep acting waits for networks that only learning "
+                             "publishes: it needs learn=True and an optimizer step per update")
         state = self.initial_state() if state is None else state
         devices = self.learner_devices
         if local_experience is None:
@@ -175,7 +218,9 @@ class Sebulba:
         learner = self.learner
         learner.start(sharding.replicate(state.nets, devices),
                       sharding.replicate(state.opt, devices), experience,
-                      stagings=stagings.values(), accounting=accounting)
+                      stagings=stagings.values(), accounting=accounting,
+                      updates=learner_updates)
+        cut = _ConsumedCut(state.step_state, cfg.num_groups, self.rows_per_group)
 
         watchdog = None
         if self.num_processes > 1 and progress_timeout_s is not None:
@@ -187,7 +232,7 @@ class Sebulba:
         start = time.perf_counter()
         try:
             runners = self._make_runners(state.step_state, stagings, trajectories, halt, errors,
-                                         accounting)
+                                         accounting, learner_updates)
             for r in runners:
                 threads.append(threading.Thread(
                     target=r, name=r.name, daemon=True))
@@ -216,11 +261,12 @@ class Sebulba:
                     watchdog.finished(learner.updates)
                 for item, lag in zip(popped, lags, strict=True):
                     accounting.add_consumed(item.num_env_steps, lag)
+                    cut.consumed(item)
                 popped = []
                 if on_update is not None:
                     on_update(UpdateInfo(
                         learner.updates, learner.metrics, learner.published, accounting,
-                        _LearnerSnapshot(learner.nets, learner.opt, learner.experience)))
+                        _LearnerSnapshot(learner.nets, learner.opt, learner.experience, cut)))
                 # One process needs no vote: an event set in on_update counts at once.
                 if stopped_early or (self.num_processes == 1 and stop is not None
                                      and stop.is_set()):
@@ -251,7 +297,7 @@ class Sebulba:
             nets=sharding.first_replica(learner.nets),
             opt=sharding.first_replica(learner.opt),
             experience=sharding.first_replica(learner.experience),
-            step_state=_concat_env_axis([r.step_state for r in runners]),
+            step_state=cut.step_state(),  # where the learner stands: run(state=) resumes it
         )
         return RunResult(
             env_steps=accounting.env_steps,
@@ -266,7 +312,7 @@ class Sebulba:
             lag_sum=accounting.lag_sum,
             lag_max=accounting.lag_max,
             stage_seconds=dict(accounting.stage_seconds),
-            learner_updates=learner.updates,
+            learner_updates=learner.updates - learner_updates,  # this run's
             optimizer_steps=learner.optimizer_steps,
             metrics=learner.metrics,
             num_processes=self.num_processes,
@@ -278,7 +324,15 @@ class Sebulba:
             stopped_early=stopped_early,
         )
 
-    def _make_sources(self) -> list[tuple[int, jax.Device, EnvSource]]:
+    def _env_seed(self, group: int, learner_updates: int) -> int:
+        """The seed of env group `group`'s first row (the others follow it): distinct for
+        every row of every process, and drawn anew for a run resumed at another update."""
+        cfg, size = self.config, self.rows_per_group
+        rows = size * cfg.num_groups * self.num_processes
+        return (cfg.seed + (self.process_index * cfg.num_groups + group) * size
+                + learner_updates * rows)
+
+    def _make_sources(self, learner_updates: int) -> list[tuple[int, jax.Device, EnvSource]]:
         """(first group, inference device, env source) of each inferencer thread.
 
         Gymnasium vectorizations: one vector env, one group, per thread, `async_factor`
@@ -291,9 +345,9 @@ class Sebulba:
             for d, device in enumerate(self.inference_devices):
                 first = d * per_device
                 if cfg.vectorization == "envpool":
-                    seed = cfg.seed + (self.process_index * cfg.num_groups + first) * size
                     sources.append((first, device, EnvPoolSource(
-                        cfg.env, per_device, size, seed, cfg.env_kwargs)))
+                        cfg.env, per_device, size, self._env_seed(first, learner_updates),
+                        cfg.env_kwargs)))
                     continue
                 for group in range(first, first + per_device):
                     if cfg.vectorization == "pettingzoo":
@@ -310,11 +364,13 @@ class Sebulba:
             raise
         return sources
 
-    def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting):
+    def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting,
+                      learner_updates):
         cfg = self.config
         size = self.rows_per_group
         runners = []
-        sources = self._make_sources()
+        sources = self._make_sources(learner_updates)
+        lockstep = (learner_updates, cfg.trajectories_per_update) if cfg.lockstep else None
         try:
             for first, device, source in sources:
                 runners.append(EnvGroupRunner(
@@ -322,7 +378,7 @@ class Sebulba:
                     device=device,
                     source=source,
                     step_state=_slice_env_axis(step_state, first * size, source.num_envs),
-                    seed=cfg.seed + (self.process_index * cfg.num_groups + first) * size,
+                    seed=self._env_seed(first, learner_updates),
                     acting=self.acting,
                     staging=stagings[device],
                     learner_devices=self.learner_devices,
@@ -331,6 +387,7 @@ class Sebulba:
                     stop=stop,
                     errors=errors,
                     accounting=accounting,
+                    lockstep=lockstep,
                 ))
         except BaseException:
             for _, _, source in sources:

@@ -66,19 +66,20 @@ def test_cartpole_ids_get_the_wrapper_with_their_registered_limit():
 
 
 def phases_after_first_cycle(desync: bool) -> np.ndarray:
-    """Step in episode of every env at the end of its group's first cycle (T = 32 > 24)."""
+    """Step in episode of every env at the end of the first cycle (T = 32 > 24).
+
+    One group of 16 envs: with two, one group may fill the learner's log before the
+    other's first trajectory reaches it (thread timing)."""
     steps = 32
-    config = sebulba.Config(env=limited_counting_env, envs_per_group=8, async_factor=2,
+    config = sebulba.Config(env=limited_counting_env, envs_per_group=16, async_factor=1,
                             steps_per_cycle=steps, seed=3, desync_episodes=desync)
     agent = CountingAgent(sebulba.env_spec(limited_counting_env), capacity=8)
-    result = sebulba.Sebulba(agent, config).run(2 * 2 * 8 * steps)
+    result = sebulba.Sebulba(agent, config).run(2 * 16 * steps)
     log = result.learner_experience
     obs = np.asarray(log.obs.addressable_shards[0].data)[0]  # [C, E, T + 1, 3]
-    size = int(np.asarray(log.size.addressable_shards[0].data)[0])
-    # A group's first trajectory starts at episode 0, step 0 in every env.
-    first = [c for c in range(size) if np.all(obs[c, :, 0, 1:] == 0)]
-    assert len(first) == 2, obs[:size, :, 0]
-    return np.concatenate([obs[c, :, steps, 2] for c in first])
+    # The first trajectory starts at episode 0, step 0 in every env.
+    assert np.all(obs[0, :, 0, 1:] == 0), obs[0, :, 0]
+    return obs[0, :, steps, 2]
 
 
 @pytest.mark.timeout(180)

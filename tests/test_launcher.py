@@ -46,7 +46,11 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     second = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=6000",
                  "--checkpoint_every_steps=1000", *SMALL)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resumed from {logdir}/checkpoints at {done:,} env steps" in second.stdout
+    # The learner continues: its update count, the envs' step states (acting keys) and
+    # PPO's experience (its minibatch key) come from the checkpoint.
+    updates = last_json(first.stdout)["learner_updates"]
+    assert (f"resumed from {logdir}/checkpoints at {done:,} env steps, learner update "
+            f"{updates:,}\n") in second.stdout
     total = last_json(second.stdout)["total_consumed"]
     assert 6000 <= total < 6000 + 8 * 8 * 2
     assert last_json(second.stdout)["consumed"] == total - done
@@ -145,7 +149,7 @@ def test_console_script_without_a_checkout_says_how_to_get_one(tmp_path, monkeyp
     assert "python -m examples.train" in str(exit_info.value.code)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("vectorization", ["sync", "vector_entry_point"])
 def test_atari_ids_train_through_ale_py(vectorization, tmp_path):
     # sync: gymnasium's RGB frames (210, 160, 3); vector_entry_point: ale-py's
@@ -214,10 +218,22 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
     assert primary["num_processes"] == 2 and primary["global_consumed"] >= 4000
     assert primary["consumed"] < primary["global_consumed"]  # the other process fed half
     assert not [line for line in outputs[1].splitlines() if line.startswith("{")]  # logs once
-    assert os.listdir(tmp_path / "run" / "checkpoints")  # written by process 0
     # every process reports the run's throughput beside its own
     assert primary["global_consumed_steps_per_second"] == pytest.approx(
         primary["global_consumed"] / primary["wall_seconds"], rel=0.01)
+    # Process 0 saves the networks with its own envs' step states and experience; process 1
+    # saves its own beside them, at the same steps, and each resumes its own.
+    run_dir = tmp_path / "run"
+    steps = [sorted(int(d) for d in os.listdir(run_dir / name) if d.isdigit())
+             for name in ("checkpoints", "checkpoints_process_1")]
+    assert steps[0] and steps[0] == steps[1]
+    resumed = run_launchers(
+        [[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+          "--total_env_steps=6000", f"--logdir={run_dir}", "--resume", *SMALL]
+         for i in range(2)], [env, env])
+    assert (f"at {steps[0][-1]:,} env steps, learner update {primary['learner_updates']:,}"
+            in resumed[0])
+    assert last_json(resumed[0])["total_consumed"] >= 6000
 
 
 @pytest.mark.timeout(240)
