@@ -111,7 +111,8 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_128_plus_its_number(signum, 
 
 
 @pytest.mark.timeout(300)
-def test_a_sigterm_to_one_process_of_two_ends_both_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_one_process_of_two_ends_both_with_a_checkpoint(signum, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -121,8 +122,9 @@ def test_a_sigterm_to_one_process_of_two_ends_both_with_a_checkpoint(tmp_path):
                       f"--logdir={logdir}", *SMALL]) for i in range(2)]
     try:
         _wait_until_training(procs[0], logdir)
+        children = set().union(*(_descendants(p.pid) for p in procs))
         sent = time.monotonic()
-        procs[1].send_signal(signal.SIGTERM)  # the other process is told by the run
+        procs[1].send_signal(signum)  # the other process is told by the run
         results = [p.communicate(timeout=GRACE + 30) for p in procs]
         elapsed = time.monotonic() - sent
     finally:
@@ -130,11 +132,17 @@ def test_a_sigterm_to_one_process_of_two_ends_both_with_a_checkpoint(tmp_path):
             p.kill()
             p.wait()
     for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert p.returncode == 128 + signum, err[-3000:]
     assert elapsed <= GRACE, elapsed
-    assert "stopped by SIGTERM" in results[1][1]
+    assert f"stopped by {signal.Signals(signum).name}" in results[1][1]
     assert "stopped by a signal to another process" in results[0][1]
-    assert _checkpoint_steps(logdir)  # written by process 0
+    # Both parts of the checkpoint, at the same step: process 0's (networks, its envs'
+    # step states) and process 1's own.
+    steps = _checkpoint_steps(logdir)
+    own = sorted(int(p.name[:-5]) for p in (tmp_path / "run" / "checkpoints_process_1").iterdir()
+                 if p.name.endswith(".json"))
+    assert steps and steps[-1] == own[-1]
+    assert not [c for c in children if _alive(c)]  # nothing they started outlives them
 
 
 STUCK_SCRIPT = textwrap.dedent("""
