@@ -158,3 +158,35 @@ def test_checkpoint_of_another_env_with_the_same_shapes_is_refused(tmp_path, run
     assert checkpointer.restore(nets=nets, opt=(), metadata={**CARTPOLE, **run}).counters == {
         "consumed": 20}
     checkpointer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_process_s_own_part_round_trips_with_its_keys_and_keeps_the_last_k(tmp_path):
+    """What process i > 0 of a multi-process run saves of its own: its envs' step states
+    (typed keys among them) and its learner devices' experience."""
+    from sebulba.checkpoint import ProcessCheckpointer, process_directory
+
+    directory = process_directory(str(tmp_path / "checkpoints"), 1)
+    assert directory.endswith("checkpoints_process_1")
+    assert process_directory(str(tmp_path / "checkpoints"), 0).endswith("checkpoints")
+    part = ProcessCheckpointer(directory, max_to_keep=2)
+    step_state = {"key": jax.random.split(jax.random.key(3), 4), "h": jnp.arange(8.0)}
+    experience = {"log": jnp.ones((2, 5), jnp.int32), "cursor": jnp.array([1, 2])}
+    for step in (10, 20, 30):
+        part.save(step, counters={"learner_updates": step}, metadata={"agent": "counting"},
+                  local_experience=jax.tree.map(lambda x, s=step: x * s, experience),
+                  step_state=step_state)
+    assert part.all_steps() == [20, 30]
+    like_state = {"key": jax.random.split(jax.random.key(0), 4), "h": jnp.zeros(8)}
+    like_experience = jax.tree.map(jnp.zeros_like, experience)
+    restored = part.restore(metadata={"agent": "counting"}, step=20, step_state=like_state,
+                            local_experience=like_experience)
+    assert restored.counters == {"learner_updates": 20}
+    np.testing.assert_array_equal(jax.random.key_data(restored.step_state["key"]),
+                                  jax.random.key_data(step_state["key"]))
+    np.testing.assert_array_equal(restored.step_state["h"], step_state["h"])
+    np.testing.assert_array_equal(restored.local_experience["log"], 20 * experience["log"])
+    with pytest.raises(ValueError, match="written by agent 'counting'"):
+        part.restore(metadata={"agent": "ppo"}, step_state=like_state)
+    with pytest.raises(FileNotFoundError, match="no checkpoint 10"):
+        part.restore(metadata={"agent": "counting"}, step=10, step_state=like_state)
