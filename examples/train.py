@@ -315,19 +315,25 @@ def main(argv: list[str]) -> None:
             next_save = step + _CHECKPOINT_EVERY.value
 
     try:
-        with preemption:
-            result = loop.run(remaining, state, on_update=on_update,
-                              local_experience=local_experience, stop=preemption.event,
-                              progress_timeout_s=_PROGRESS_TIMEOUT.value,
-                              learner_updates=learner_updates)
-            if own is not None and last_info is not None:
-                step = reporter.global_step(last_info)
-                if step not in own.all_steps():
-                    save(step, last_info)
-    finally:
-        reporter.close()
-        for c in {checkpointer, own} - {None}:
-            c.close()
+        try:
+            with preemption:
+                result = loop.run(remaining, state, on_update=on_update,
+                                  local_experience=local_experience, stop=preemption.event,
+                                  progress_timeout_s=_PROGRESS_TIMEOUT.value,
+                                  learner_updates=learner_updates)
+                if own is not None and last_info is not None:
+                    step = reporter.global_step(last_info)
+                    if step not in own.all_steps():
+                        save(step, last_info)
+        finally:
+            reporter.close()
+            for c in {checkpointer, own} - {None}:
+                c.close()
+    except Exception:
+        if jax.process_count() == 1:
+            raise
+        distributed.end_failed_process("this process's run failed (traceback above); not "
+                                       "waiting for the cluster's shutdown")
     if primary:  # every process has the same networks: report once
         print(result.summary())
         summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}

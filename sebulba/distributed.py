@@ -7,7 +7,12 @@ anything else touches JAX devices.
 
 from __future__ import annotations
 
+import sys
+import traceback
+
 import jax
+
+from sebulba.preemption import end_process_now
 
 
 def initialize(
@@ -32,3 +37,16 @@ def initialize(
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         initialization_timeout=initialization_timeout,
     )
+
+
+def end_failed_process(why: str, code: int = 1) -> None:
+    """Ends a process of a multi-process run whose run failed (a peer died), at once:
+    prints the error being handled (if any), ends its env workers and exits with `code`.
+
+    Exiting normally would run JAX's exit hook, which waits in the cluster's shutdown
+    barrier for every peer, the dead one too, until the heartbeat timeout, and then
+    aborts the process. Call it after saving what must be saved.
+    """
+    if sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    end_process_now(code, why)

@@ -30,8 +30,9 @@ included.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,13 @@ def _acting_nets_and_finite(agent: Agent) -> Callable:
     return fn
 
 
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed at run time (a peer died): XLA raises
+    a JaxRuntimeError, or gloo's all-reduce a ValueError ("Gloo all-reduce failed:
+    ... Connection reset by peer"); a ValueError of tracing is not one."""
+    return isinstance(error, jax.errors.JaxRuntimeError) or "Gloo" in str(error)
+
+
 class Learner:
     """Owns the learner state of a run and runs learner updates on it.
 
@@ -216,8 +224,22 @@ class Learner:
         previous, local = self._stop_vote, sharding.local_devices_of(self.devices)
         flags = sharding.assemble(
             [jax.device_put(np.asarray(wanted, np.int32), d) for d in local], self.devices)
-        self._stop_vote = self._any(flags)
-        return previous is not None and bool(np.asarray(previous.addressable_shards[0].data)[0])
+        with self._naming_peer_failures():
+            self._stop_vote = self._any(flags)
+            return previous is not None and bool(
+                np.asarray(previous.addressable_shards[0].data)[0])
+
+    @contextlib.contextmanager
+    def _naming_peer_failures(self) -> Iterator[None]:
+        """Re-raises a collective that failed in a multi-process run as the likely cause."""
+        try:
+            yield
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            if self.num_processes > 1 and is_collective_failure(e):
+                raise RuntimeError(
+                    f"the learner's update across {self.num_processes} processes failed; a "
+                    f"peer process probably died or became unreachable: {e}") from e
+            raise
 
     def publish(self) -> None:
         """Sends `acting_nets(nets, updates)` of the first local replica to every staging."""
@@ -236,7 +258,7 @@ class Learner:
             raise ValueError(
                 f"a learner update takes trajectories_per_update="
                 f"{self.trajectories_per_update} queue items, got {len(items)}")
-        try:
+        with self._naming_peer_failures():
             t_wait = time.perf_counter()
             # The previous update's metrics: it has had this update's host work to finish
             # in, and waiting for it bounds the programs queued on the devices. The wait
@@ -267,18 +289,13 @@ class Learner:
                 self.publish()
                 self._pending = (self.updates, metrics, self._published_finite)
             t2 = time.perf_counter()
-        except jax.errors.JaxRuntimeError as e:
-            if self.num_processes > 1:
-                raise RuntimeError(
-                    f"the learner's update across {self.num_processes} processes failed; a "
-                    f"peer process probably died or became unreachable: {e}") from e
-            raise
         self.accounting.add_time("update_experience", t1 - t0)
         self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)
 
     def finish(self) -> None:
         """Fetches the last update's metrics (and checks them)."""
-        self._fetch_pending()
+        with self._naming_peer_failures():
+            self._fetch_pending()
 
     def _fetch_pending(self) -> None:
         if self._pending is None:
