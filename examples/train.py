@@ -84,7 +84,8 @@ _PROGRESS_TIMEOUT = flags.DEFINE_float(
     "progress_timeout_seconds", 600.0,
     "Multi-process runs: a learner that finishes no update for this long ends every "
     "process, naming the processes that are behind (one stuck in Python keeps its "
-    "heartbeats going). Allow for the first update's compilation.")
+    "heartbeats going). The first update (start-up, compilation) may take 600 s if that is "
+    "longer.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100,
     "Multi-process runs: a peer that stops answering for this long ends every process.")

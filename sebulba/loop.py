@@ -183,7 +183,8 @@ class Sebulba:
           progress_timeout_s: multi-process runs: a learner that finishes no update for
             this long ends this process (exit code `watchdog.EXIT_CODE`), naming the
             processes that are behind (`sebulba.watchdog`); None: wait forever. Allow
-            for the first update's compilation and the slowest inference cycle.
+            for the slowest inference cycle; the first update (start-up and
+            compilation) may take `watchdog.FIRST_UPDATE_S` (600 s) if that is longer.
           learner_updates: updates the learner made before this run (a resumed run
             passes its checkpoint's): the version its networks are published under
             (`Agent.acting_nets` sees it; policy lags and lockstep count from it), and

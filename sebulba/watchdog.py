@@ -20,6 +20,9 @@ from collections.abc import Callable
 from sebulba.preemption import end_process_now
 
 EXIT_CODE = 3
+# Seconds a learner may take to finish its first update (start-up and compilation
+# included) when the timeout is shorter.
+FIRST_UPDATE_S = 600.0
 _PREFIX = "sebulba/learner_position/"
 _VERDICT = "sebulba/stalled/"
 
@@ -65,10 +68,16 @@ class ProgressWatchdog:
     """
 
     def __init__(self, timeout_s: float, process_index: int,
-                 on_stall: Callable[[str], None] | None = None):
+                 on_stall: Callable[[str], None] | None = None,
+                 first_update_s: float = FIRST_UPDATE_S):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s, self.process_index = timeout_s, process_index
+        # Until its first update is done a learner is also starting (env workers,
+        # compilation), which takes its own time under load: a timeout sized for the
+        # steady state would end healthy runs there.
+        self.first_update_s = max(timeout_s, first_update_s)
+        self._started = False
         self._client = _coordination_client()
         self._on_stall = on_stall or _exit_with
         self._position, self._last_beat = 0, time.monotonic()
@@ -83,6 +92,7 @@ class ProgressWatchdog:
 
     def finished(self, update: int) -> None:
         self._position, self._last_beat = 2 * update, time.monotonic()
+        self._started = True
 
     def close(self) -> None:
         self._closed.set()
@@ -129,10 +139,11 @@ class ProgressWatchdog:
             if verdict is not None:  # a peer found the stall first: end with its words
                 self._on_stall(f"{verdict} (process {self.process_index} ends too)")
                 return
-            if time.monotonic() - self._last_beat <= self.timeout_s:
+            timeout = self.timeout_s if self._started else self.first_update_s
+            if time.monotonic() - self._last_beat <= timeout:
                 continue
             message = (f"process {self.process_index}'s learner made no progress for "
-                       f"{self.timeout_s:g} s, {_where(self._position)}: {self.report()}")
+                       f"{timeout:g} s, {_where(self._position)}: {self.report()}")
             if self._client is not None:
                 with contextlib.suppress(Exception):
                     self._client.key_value_set(f"{_VERDICT}{self.process_index}", message)
