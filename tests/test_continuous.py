@@ -282,6 +282,8 @@ def test_multi_discrete_actions_are_learnt(agent_class, no_leftovers):
     assert result.mean_return(0.9, 1.0) >= 7.0, result.summary()
 
 
+@pytest.mark.slow  # the default suite learns the same task on EnvPool's MuJoCo in half the
+# steps (tests/test_envpool.py)
 @pytest.mark.skipif(not HAS_MUJOCO, reason="needs the mujoco extra (gymnasium[mujoco])")
 @pytest.mark.timeout(600)
 def test_ppo_balances_inverted_pendulum_with_its_defaults(no_leftovers):

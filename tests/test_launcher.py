@@ -224,8 +224,9 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
     # Process 0 saves the networks with its own envs' step states and experience; process 1
     # saves its own beside them, at the same steps, and each resumes its own.
     run_dir = tmp_path / "run"
-    steps = [sorted(int(d) for d in os.listdir(run_dir / name) if d.isdigit())
-             for name in ("checkpoints", "checkpoints_process_1")]
+    steps = [sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()),
+             sorted(int(f[:-5]) for f in os.listdir(run_dir / "checkpoints_process_1")
+                    if f.endswith(".json"))]
     assert steps[0] and steps[0] == steps[1]
     resumed = run_launchers(
         [[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
