@@ -26,6 +26,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=600.0, help="length of the long run")
     p.add_argument("--sample_seconds", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=0,
+                   help="episode and policy-lag records kept (0: sebulba.accounting's "
+                        "100,000); a smaller window fills within a 10-minute run, so the "
+                        "plateau after it shows")
     return p.parse_args(argv)
 
 
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import sebulba
     from agents.ppo import PPO
+    from sebulba import accounting
+
+    if args.window:  # read when a run's Accounting is made
+        accounting.EPISODE_WINDOW = accounting.LAG_WINDOW = args.window
 
     emit(meta("soak", vars(args)))
     config = sebulba.Config(env="CartPole-v1", seed=args.seed)
@@ -71,11 +79,22 @@ def main(argv: list[str] | None = None) -> None:
     warm = next(s for s in samples if s["seconds"] >= 0.1 * samples[-1]["seconds"])
     end = samples[-1]
     minutes = (end["seconds"] - warm["seconds"]) / 60
+    # Once both windows are full, nothing the run keeps should grow.
+    window = accounting.EPISODE_WINDOW
+    full = next((x for x in samples if x["episodes_kept"] == window
+                 and x["lags_kept"] == accounting.LAG_WINDOW), None)
+    full_minutes = (end["seconds"] - full["seconds"]) / 60 if full else 0
     emit({"record": "summary", "seconds": round(result.wall_seconds, 1),
           "env_steps": result.env_steps, "episodes": result.episodes_total,
+          "window": window,
           "rss_mib_after_warm_up": warm["rss_mib"], "rss_mib_at_end": end["rss_mib"],
           "growth_mib_per_minute": round((end["rss_mib"] - warm["rss_mib"]) / minutes, 2)
-          if minutes > 0 else None})
+          if minutes > 0 else None,
+          "windows_full_at_seconds": full["seconds"] if full else None,
+          "rss_mib_when_windows_full": full["rss_mib"] if full else None,
+          "growth_mib_per_minute_after_windows_full":
+              round((end["rss_mib"] - full["rss_mib"]) / full_minutes, 2)
+              if full_minutes > 0 else None})
 
 
 if __name__ == "__main__":
