@@ -208,11 +208,6 @@ class EnvGroupRunner:
             f"{self.first_group}-{last}"
         return f"sebulba-inferencer-{groups}"
 
-    @property
-    def step_state(self) -> StepState:
-        """The StepState of the source's envs, in env order."""
-        return self.state.step_state
-
     def __call__(self) -> None:
         try:
             self._run()
