@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import distributions, networks, normalization, policy
+from agents.common import normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
-from sebulba import observations
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 OPTIMIZERS = ("adam", "rmsprop")
@@ -39,28 +37,18 @@ OPTIMIZERS = ("adam", "rmsprop")
 class IMPALAConfig(policy.ActorCriticOptions):
     """Hyperparameters; the defaults learn CartPole-v1 with T = 32 (16 envs per group
     learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py). With
-    `use_lstm` three defaults differ (a value torso and LSTM of its own, rewards scaled,
-    lambda 0.9): they make the LSTM agent indifferent to the rewards' scale, and it learns
-    RepeatFirst-v0 (1/50 a step) and CartPoleNoVelocity-v1 (1 a step) with the same
-    settings (benchmarks/RESULTS.md, "IMPALA and the reward scale"). The fields of
+    `use_lstm` three defaults differ: a value torso and LSTM of its own and rewards
+    scaled (`policy.ActorCriticOptions`' `shared_core` and `normalize_rewards`, as for
+    PPO), and lambda 0.9. They make the LSTM agent indifferent to the rewards' scale, and
+    it learns RepeatFirst-v0 (1/50 a step) and CartPoleNoVelocity-v1 (1 a step) with the
+    same settings (benchmarks/RESULTS.md, "IMPALA and the reward scale"). The fields of
     `policy.ActorCriticOptions` (normalization, the Gaussian's std) come first.
 
     Attributes:
-      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
-        running std of the discounted return (the actors accumulate it; the learner
-        keeps the moments); "auto": on for Box action spaces and with use_lstm (a reward
-        of 1/50 a step otherwise leaves the LSTM's advantages below its entropy bonus,
-        one of 1 a step its values far above it).
       use_lstm: a resetting LSTM core between the torso and the heads (for partially
         observed envs); otherwise separate feed-forward policy and value MLPs.
       hidden_sizes: tanh layers of the MLPs (or of the torso before the LSTM).
       lstm_size: units of the LSTM core (only with use_lstm).
-      shared_core: with use_lstm, policy and value share one torso and one LSTM (linear
-        heads); False (the default): each has its own torso and LSTM of the same sizes,
-        as the feed-forward agent's policy and value have their own MLPs, so that the
-        value's loss does not reshape the policy's memory (with the other LSTM defaults:
-        0.44 on RepeatFirst-v0 at 1M steps shared, 0.99 apart). Frames always share one
-        Nature CNN and LSTM.
       optimizer: "adam" (the default: one setting learns CartPole and cue recall; the
         paper's RMSProp with eps 0.01 barely moved CartPole in 1M steps at lr 5e-4, its
         eps being large next to these small gradients) or "rmsprop" (decay 0.99).
@@ -103,7 +91,6 @@ class IMPALAConfig(policy.ActorCriticOptions):
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
     normalize_advantages: bool = False
-    shared_core: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -134,30 +121,10 @@ class IMPALAConfig(policy.ActorCriticOptions):
                 f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
 
     def resolved(self) -> IMPALAConfig:
-        """This config with the network-dependent defaults filled in: `vtrace_lambda` -1,
-        and `normalize_rewards` "auto" with use_lstm."""
+        """This config with `vtrace_lambda` -1 filled in by network."""
         return dataclasses.replace(
-            self,
-            vtrace_lambda=(self.vtrace_lambda if self.vtrace_lambda != -1.0
-                           else 0.9 if self.use_lstm else 1.0),
-            normalize_rewards=("on" if self.use_lstm and self.normalize_rewards == "auto"
-                               else self.normalize_rewards))
-
-
-def twin_lstm_network(env_spec: sebulba.EnvSpec, config: IMPALAConfig) -> networks.Unroll:
-    """Policy and value each with a tanh MLP torso of `hidden_sizes` and an LSTM of
-    `lstm_size` units (vector or discrete observations, normalized as
-    `networks.actor_critic` does)."""
-    space = env_spec.observation_space
-    torso = networks.TwinTorso(networks.torso_for(space, config.hidden_sizes),
-                      networks.torso_for(space, config.hidden_sizes))
-    if (policy.switch_on(config.normalize_observations, env_spec.action_space)
-            and observations.kind(space) == observations.VECTOR):
-        torso = nn.Sequential([normalization.ObservationNormalizer(len(space.shape)), torso])
-    head = distributions.policy_head_for(env_spec.action_space,
-                                         state_dependent_std=config.state_dependent_std)
-    return networks.Unroll(torso, networks.TwinLSTMCore(config.lstm_size), networks.TwinHead(
-        head, env_spec.agents_per_env if config.central_value else 1))
+            self, vtrace_lambda=(self.vtrace_lambda if self.vtrace_lambda != -1.0
+                                 else 0.9 if self.use_lstm else 1.0))
 
 
 class IMPALA(policy.ActorCriticActing, sebulba.Agent):
@@ -171,9 +138,6 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         self.network, self.return_discount = policy.actor_critic_network(
             env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
             config.discount)
-        if (config.use_lstm and not config.shared_core
-                and observations.kind(env_spec.observation_space) != observations.IMAGE):
-            self.network = twin_lstm_network(env_spec, config)
         if config.optimizer == "adam":
             opt = optax.adam(config.learning_rate, eps=config.optimizer_eps)
         else:

@@ -137,7 +137,8 @@ def test_lstm_training_unrolls_each_segment_from_the_actors_state():
     batch = prepared(agent, trajectory, nets, e, t).batch  # 8 segments of 3 steps
 
     # Segments that start a trajectory start from the initial StepState.
-    for leaf, init in zip(batch.core, state.core, strict=True):
+    for leaf, init in zip(jax.tree.leaves(batch.core), jax.tree.leaves(state.core),
+                          strict=True):
         np.testing.assert_allclose(leaf[0::2], init, rtol=1e-6)
     # Unrolling each segment from its stored state reproduces the actor's policy exactly,
     # resets inside a segment (env 2 at step 4) included.
@@ -193,4 +194,6 @@ def test_lstm_ppo_runs_on_segments_across_two_learner_devices(no_leftovers):
     assert np.isfinite(result.metrics["loss"]) and 0 < result.metrics["importance_weight"] <= 1
     # Each learner device holds its 2 envs' 8 segments, with the actor's state at their starts.
     batch = result.state.experience.batch
-    assert batch.obs.shape[:2] == (8, 4) and batch.core.cell.shape == (8, 16)
+    assert batch.obs.shape[:2] == (8, 4)
+    # The policy's and the value's LSTM (the default: a core each), cell and hidden.
+    assert [x.shape for x in jax.tree.leaves(batch.core)] == [(8, 16)] * 4

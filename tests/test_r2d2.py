@@ -313,7 +313,8 @@ def test_a_learner_step_writes_back_priorities_and_trains_the_online_net_only():
     np.testing.assert_allclose(new_exp.replay.priorities[drawn], expected, rtol=1e-5)
     untouched = np.setdiff1d(np.arange(16), drawn)
     np.testing.assert_array_equal(new_exp.replay.priorities[untouched], 0.5)
-    assert float(new_exp.replay.max_priority) == pytest.approx(max(0.5, float(expected.max())))
+    # max_priority is the largest ever held: 1 initially, then the written-back ones.
+    assert float(new_exp.replay.max_priority) == pytest.approx(max(1.0, float(expected.max())))
     assert int(new_opt.steps) == 1 and float(metrics["learning"]) == 1.0
     changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new_nets.online, nets.online)
     assert all(jax.tree.leaves(changed))

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import chex
+import flax.linen as nn
 import gymnasium as gym
 import jax
 import jax.numpy as jnp
 
 import sebulba
 from agents.common import distributions, networks, normalization
+from sebulba import observations
 
 
 def sample(keys: jax.Array, dist: distributions.Distribution) -> tuple[jax.Array, jax.Array]:
@@ -46,7 +48,11 @@ class ActorCriticOptions:
         (`agents.common.normalization`); "auto": on for Box action spaces.
       normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
         running std of the discounted return (the actors accumulate it; the learner
-        keeps the moments); "auto": on for Box action spaces.
+        keeps the moments); "auto": on for Box action spaces and with an LSTM. An LSTM
+        agent then learns with one setting whether a step earns 1/50 (RepeatFirst-v0) or
+        1 (CartPole without velocities): unscaled, the value's gradients on returns of
+        ~100 fill the clipped global norm and PPO's LSTM policy stalled near 220 there
+        (benchmarks/RESULTS.md, "The memory suite").
       state_dependent_std: a Gaussian policy's log-std is a linear output of the
         features; False (CleanRL's choice): one learnt parameter per action dimension.
       gaussian_entropy_cost: weight of the entropy bonus of a Gaussian policy (Box
@@ -56,6 +62,11 @@ class ActorCriticOptions:
       central_value: multi-agent envs: the value function also sees the features of all
         agents of the row's env (MAPPO's centralized critic); the policy sees only its
         own observation, so acting stays decentralized.
+      shared_core: with an LSTM, policy and value share one torso and one LSTM (linear
+        heads); False (the default): each has its own torso and LSTM of the same sizes,
+        as the feed-forward policy and value have their own MLPs, so that the value's
+        loss does not reshape the policy's memory (benchmarks/RESULTS.md, "The memory
+        suite"). Frames always share one Nature CNN and LSTM.
     """
 
     normalize_observations: str = "auto"
@@ -63,6 +74,7 @@ class ActorCriticOptions:
     state_dependent_std: bool = False
     gaussian_entropy_cost: float = 0.0
     central_value: bool = False
+    shared_core: bool = False
 
     def __post_init__(self):
         for name in ("normalize_observations", "normalize_rewards"):
@@ -81,14 +93,36 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
     if options.central_value and env_spec.agents_per_env == 1:
         raise ValueError("central_value needs a multi-agent env (agents_per_env > 1), got "
                          f"{env_spec}")
-    network = networks.actor_critic(
-        env_spec.action_space, env_spec.observation_space, hidden_sizes, lstm_size,
-        state_dependent_std=options.state_dependent_std,
-        central_agents=env_spec.agents_per_env if options.central_value else 1,
-        normalize_observations=switch_on(options.normalize_observations,
-                                         env_spec.action_space))
-    scale = switch_on(options.normalize_rewards, env_spec.action_space)
+    space = env_spec.observation_space
+    if lstm_size and not options.shared_core and observations.kind(space) != observations.IMAGE:
+        network = twin_lstm_network(env_spec, options, hidden_sizes, lstm_size)
+    else:
+        network = networks.actor_critic(
+            env_spec.action_space, space, hidden_sizes, lstm_size,
+            state_dependent_std=options.state_dependent_std,
+            central_agents=env_spec.agents_per_env if options.central_value else 1,
+            normalize_observations=switch_on(options.normalize_observations,
+                                             env_spec.action_space))
+    scale = (switch_on(options.normalize_rewards, env_spec.action_space)
+             or (options.normalize_rewards == "auto" and lstm_size > 0))
     return network, discount if scale else None
+
+
+def twin_lstm_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
+                      hidden_sizes: Sequence[int], lstm_size: int) -> networks.Unroll:
+    """Policy and value each with a tanh MLP torso of `hidden_sizes` and an LSTM of
+    `lstm_size` units (vector or discrete observations, normalized as
+    `networks.actor_critic` does)."""
+    space = env_spec.observation_space
+    torso = networks.TwinTorso(networks.torso_for(space, hidden_sizes),
+                               networks.torso_for(space, hidden_sizes))
+    if (switch_on(options.normalize_observations, env_spec.action_space)
+            and observations.kind(space) == observations.VECTOR):
+        torso = nn.Sequential([normalization.ObservationNormalizer(len(space.shape)), torso])
+    head = distributions.policy_head_for(env_spec.action_space,
+                                         state_dependent_std=options.state_dependent_std)
+    return networks.Unroll(torso, networks.TwinLSTMCore(lstm_size), networks.TwinHead(
+        head, env_spec.agents_per_env if options.central_value else 1))
 
 
 def entropy_cost(config: ActorCriticOptions, action_space: gym.Space) -> float:
