@@ -42,7 +42,8 @@ class PPOConfig(policy.ActorCriticOptions):
 
     Attributes:
       hidden_sizes: tanh layers of the policy MLP and, separately, of the value MLP (with
-        use_lstm: of the torso before the LSTM, shared by policy and value).
+        use_lstm: of the torso before the LSTM; policy and value each have their own
+        unless `shared_core`).
       use_lstm: a resetting LSTM core between the torso and the heads (partially observed
         envs); training unrolls each segment from the actor's state at its first step.
       lstm_size: units of the LSTM core (only with use_lstm).

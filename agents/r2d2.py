@@ -79,10 +79,11 @@ class R2D2Config:
     """Hyperparameters. The defaults learn within 1M env steps on the memory suite
     (benchmarks/RESULTS.md, "The memory suite"): the paper's sequences, n-step returns,
     value rescaling, priorities and exploration, with a learner sized for such budgets
-    (a target copy every 100 learner steps, learning from 500 sequences on, Adam at
-    5e-4 with epsilon 1e-6) where the paper's (2,500 steps, 1e-4, epsilon 1e-3) are
-    sized for billions of frames: with them 1M steps make 1,560 learner steps, none
-    of which copies the target. The paper's network for frames (Nature CNN, a
+    (two learner steps of 32 sequences per trajectory, a target copy every 100 learner
+    steps, learning from 500 sequences on, Adam at 5e-4 with epsilon 1e-6) where the
+    paper's (one step of 64, 2,500 steps, 1e-4, epsilon 1e-3) are sized for billions
+    of frames: with them 1M steps make 1,560 learner steps, none of which copies the
+    target. The paper's network for frames (Nature CNN, a
     512-cell LSTM, 512-unit heads); a smaller one for vector observations.
 
     Attributes:
@@ -139,10 +140,10 @@ class R2D2Config:
     learning_rate: float = 5e-4
     adam_eps: float = 1e-6
     max_grad_norm: float = 0.0
-    batch_size: int = 64
+    batch_size: int = 32
     replay_capacity: int = 100_000
     min_replay_size: int = 500
-    updates_per_trajectory: int = 1
+    updates_per_trajectory: int = 2
     priority_exponent: float = 0.9
     importance_exponent: float = 0.6
     priority_eta: float = 0.9

@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plots", default="", help="directory for one PNG per task")
     p.add_argument("--records", type=str_list, default=[],
                    help="JSON-lines files of earlier runs: table and plots from their runs")
+    p.add_argument("--defaults_only", action="store_true",
+                   help="with --records: only the runs that set no agent_config field")
     args = p.parse_args(argv)
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
@@ -108,22 +110,27 @@ def run(agent_name: str, use_lstm: bool, task_name: str, seed: int,
     }
 
 
+def _name(record: dict[str, Any]) -> str:
+    """The agent, its core and any config fields set: what a table row or a line shows."""
+    name = f"{record['agent']}, {'LSTM' if record['use_lstm'] else 'feed-forward'}"
+    config = record.get("agent_config") or {}
+    return name + "".join(f", {k}={v}" for k, v in sorted(config.items()))
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: one row per agent (and twin), one column per task; each cell the scores
     per seed and the steps to 0.8 per seed."""
     tasks = list(dict.fromkeys(r["task"] for r in records))
-    rows = list(dict.fromkeys((r["agent"], r["use_lstm"]) for r in records))
+    rows = list(dict.fromkeys(_name(r) for r in records))
     lines = ["| agent | " + " | ".join(tasks) + " |", "| --- |" + " --- |" * len(tasks)]
-    for agent, lstm in rows:
+    for name in rows:
         cells = []
         for task in tasks:
-            runs = [r for r in records if (r["agent"], r["use_lstm"], r["task"]) ==
-                    (agent, lstm, task)]
+            runs = [r for r in records if (_name(r), r["task"]) == (name, task)]
             scores = ", ".join(f"{r['score']:.2f}" for r in runs)
             reached = ", ".join("-" if r["steps_to_0.8"] is None
                                 else f"{r['steps_to_0.8'] / 1e3:.0f}k" for r in runs)
             cells.append(f"{scores} ({reached})" if runs else "")
-        name = f"{agent}, {'LSTM' if lstm else 'feed-forward'}"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -140,14 +147,13 @@ def plot(records: list[dict[str, Any]], directory: str) -> list[str]:
         task = TASKS[task_name]
         fig, ax = plt.subplots(figsize=(6, 4))
         runs = [r for r in records if r["task"] == task_name]
-        labels = list(dict.fromkeys((r["agent"], r["use_lstm"]) for r in runs))
-        for i, (agent, lstm) in enumerate(labels):
-            for j, r in enumerate(x for x in runs if (x["agent"], x["use_lstm"]) == (agent, lstm)):
+        labels = list(dict.fromkeys(_name(r) for r in runs))
+        for i, name in enumerate(labels):
+            for j, r in enumerate(x for x in runs if _name(x) == name):
                 points = [(s, v / task.optimum) for s, v in r["curve"] if v is not None]
                 ax.plot([s for s, _ in points], [v for _, v in points], color=f"C{i}",
-                        linestyle="-" if lstm else ":", alpha=0.7,
-                        label=f"{agent}, {'LSTM' if lstm else 'feed-forward'}" if j == 0
-                        else None)
+                        linestyle="-" if r["use_lstm"] else ":", alpha=0.7,
+                        label=name if j == 0 else None)
         ax.axhline(THRESHOLD, color="grey", linewidth=0.8)
         ax.axhline(task.chance / task.optimum, color="grey", linewidth=0.8, linestyle="--")
         ax.set_ylim(0, 1.05)
@@ -175,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
     emit(meta("memory_suite", vars(args)))
-    records = [r for r in map(json.loads, _lines(args.records)) if r["record"] == "run"]
+    records = [r for r in map(json.loads, _lines(args.records)) if r["record"] == "run"
+               and not (args.defaults_only and r.get("agent_config"))]
     twins = (True, False) if args.feed_forward else (True,)
     for task in args.tasks if not args.records else ():
         for agent in args.agents:

@@ -211,7 +211,9 @@ def test_ppo_learns_from_two_trajectories_per_update(no_leftovers):
     assert np.isfinite(result.metrics["loss"])
     # Each learner device holds 2 x 2 envs' 16 segments of 4 steps.
     batch = result.state.experience.batch
-    assert batch.obs.shape[:2] == (16, 4) and batch.core.cell.shape == (16, 16)
+    assert batch.obs.shape[:2] == (16, 4)
+    # the policy's and the value's LSTM states (a core each, the default)
+    assert [c.cell.shape for c in batch.core] == [(16, 16), (16, 16)]
 
 
 @pytest.mark.timeout(180)
