@@ -83,8 +83,8 @@ class R2D2Config:
     steps, learning from 500 sequences on, Adam at 5e-4 with epsilon 1e-6) where the
     paper's (one step of 64, 2,500 steps, 1e-4, epsilon 1e-3) are sized for billions
     of frames: with them 1M steps make 1,560 learner steps, none of which copies the
-    target. The paper's network for frames (Nature CNN, a
-    512-cell LSTM, 512-unit heads); a smaller one for vector observations.
+    target. Frames get the paper's network (Nature CNN, a 512-cell LSTM, 512-unit
+    heads); vector observations a 128-wide one.
 
     Attributes:
       torso_sizes: ReLU layers applied to vector observations (frames go through the

@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         p.error(f"unknown tasks {unknown}: expected some of {sorted(TASKS)}")
+    if "use_lstm" in args.agent_config:
+        p.error("--agent_config sets use_lstm: every run has an LSTM, and --feed_forward "
+                "adds the twins without")
     return args
 
 
