@@ -1,7 +1,8 @@
 """IMPALA (Espeholt et al., 2018): an actor-critic corrected for policy lag by V-trace.
 
 Each update's trajectory shard (`trajectories_per_update` trajectories joined along the
-env axis) is learnt from once, as it arrives. In Sebulba the
+env axis) is learnt from as it arrives: one V-trace step by default, or `num_epochs`
+passes of `num_minibatches` steps over blocks of its env rows. In Sebulba the
 networks that acted are usually 1-2 updates older than the learner's (the learner
 publishes after the trajectory was produced), so the learner's policy pi is not the
 behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and V-trace
@@ -19,6 +20,7 @@ bottom: config, state, acting, experience, loss.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,13 @@ class IMPALAConfig(policy.ActorCriticOptions):
         also made it collapse on CartPole, as tiny advantages near the optimum become
         unit-sized ones (benchmarks/RESULTS.md, "IMPALA and the reward scale"); the LSTM
         defaults scale the rewards instead.
+      num_minibatches: optimizer steps per pass over an update's shard, each on a
+        contiguous block of its env rows (whole rows: an LSTM unrolls each from the
+        state its actor had). 1 (the paper's one step per trajectory) by default: 4, or
+        4 x 4 epochs at PPO's learning rate, did not move the LSTM agent past 0.49 on
+        RepeatPrevious-v0 (benchmarks/RESULTS.md, "The memory suite").
+      num_epochs: passes over each update's shard (V-trace corrects the later passes'
+        drift from the acting policy like any other policy lag).
     """
 
     use_lstm: bool = False
@@ -91,6 +100,8 @@ class IMPALAConfig(policy.ActorCriticOptions):
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
     normalize_advantages: bool = False
+    num_minibatches: int = 1
+    num_epochs: int = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -112,6 +123,10 @@ class IMPALAConfig(policy.ActorCriticOptions):
         if not (0.0 <= self.vtrace_lambda <= 1.0 or self.vtrace_lambda == -1.0):
             raise ValueError(f"vtrace_lambda must be in [0, 1], got {self.vtrace_lambda!r} "
                              "(or -1: by network)")
+        for name in ("num_minibatches", "num_epochs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("baseline_cost", "entropy_cost", "reward_clip"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -125,6 +140,27 @@ class IMPALAConfig(policy.ActorCriticOptions):
         return dataclasses.replace(
             self, vtrace_lambda=(self.vtrace_lambda if self.vtrace_lambda != -1.0
                                  else 0.9 if self.use_lstm else 1.0))
+
+
+class Targets(NamedTuple):
+    """What the policy and value learn towards, leaves [E, T]: the V-trace targets `vs`,
+    the policy gradient's advantages, and log pi(a_t | x_t) of the learner's policy when
+    they were computed (the later steps weigh the advantages by their drift from it)."""
+
+    vs: jax.Array
+    advantage: jax.Array
+    log_prob: jax.Array
+
+
+class IMPALAExperience(NamedTuple):
+    """The latest update's shard, its targets (computed as it arrives, from the networks
+    of that moment, when several optimizer steps learn from it; zeros otherwise: the one
+    step computes its own) and the count of optimizer steps taken on it (which picks the
+    next minibatch: block `step % num_minibatches` of its rows)."""
+
+    latest: policy.LatestTrajectory
+    targets: Targets
+    step: jax.Array  # int32 scalar
 
 
 class IMPALA(policy.ActorCriticActing, sebulba.Agent):
@@ -150,54 +186,100 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         return self.optimizer.init(nets)
 
     def new_experience_state(self, nets: Nets, key: jax.Array,
-                             layout: sebulba.Layout) -> policy.LatestTrajectory:
-        return policy.zeros_latest_trajectory(self, nets, layout)
+                             layout: sebulba.Layout) -> IMPALAExperience:
+        rows, m = layout.envs_per_update_shard, self.config.num_minibatches
+        if rows % m:
+            raise ValueError(
+                f"num_minibatches={m} must divide the {rows} env rows of each learner "
+                "device's update shard (trajectories_per_update x envs_per_group x "
+                "agents per env / learner devices)")
+        latest = policy.zeros_latest_trajectory(self, nets, layout)
+        zeros = jnp.zeros(latest.trajectory.actor_outputs.action.shape[:2], jnp.float32)
+        return IMPALAExperience(latest, Targets(zeros, zeros), jnp.zeros((), jnp.int32))
 
     def update_experience(
         self,
-        experience: policy.LatestTrajectory,
+        experience: IMPALAExperience,
         initial_step_state: policy.StepState,
         final_step_state: policy.StepState,
         trajectory: Trajectory,
         nets: Nets,
-    ) -> policy.LatestTrajectory:
-        return policy.latest_trajectory(initial_step_state, trajectory)
+    ) -> IMPALAExperience:
+        latest = policy.latest_trajectory(initial_step_state, trajectory)
+        if self._fixed_targets:
+            # Fixed for the whole update, as PPO fixes its advantages: recomputed at each
+            # step, they would shrink as the value fits this very shard.
+            _, out = self.network.apply(nets, latest.core, trajectory.env_steps.obs,
+                                        trajectory.env_steps.first)
+            targets = self._targets(nets, latest.trajectory, out)[0]
+        else:
+            zeros = jnp.zeros(trajectory.actor_outputs.action.shape[:2], jnp.float32)
+            targets = Targets(zeros, zeros, zeros)
+        return IMPALAExperience(latest, targets, jnp.zeros((), jnp.int32))
 
-    # Learning: one V-trace actor-critic step per trajectory.
+    # Learning: a V-trace actor-critic step per minibatch of env rows.
 
-    def loss(
-        self, nets: Nets, opt: OptState, experience: policy.LatestTrajectory
-    ) -> tuple[jax.Array, tuple[policy.LatestTrajectory, Metrics]]:
+    def num_off_policy_optims_per_cycle(self) -> int:
+        return self.config.num_epochs * self.config.num_minibatches
+
+    @property
+    def _fixed_targets(self) -> bool:
+        return self.num_off_policy_optims_per_cycle() > 1
+
+    def _targets(self, nets: Nets, trajectory: Trajectory, out) -> tuple[Targets, jax.Array]:
+        """V-trace targets and advantages of `trajectory` (leaves [E, T(+1)]) from the
+        network's outputs `out` on it, and the importance ratios pi / mu [E, T]."""
         cfg = self.config
-        steps, outputs = experience.trajectory.env_steps, experience.trajectory.actor_outputs
-        # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.
-        _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
-        dist, values = jax.tree.map(lambda x: x[:, :-1], out.policy), out.value  # [E, T], [E, T+1]
-        log_pi = dist.log_prob(outputs.action)  # [E, T]
+        steps, outputs = trajectory.env_steps, trajectory.actor_outputs
+        dist = jax.tree.map(lambda x: x[:, :-1], out.policy)
+        log_pi = jax.lax.stop_gradient(dist.log_prob(outputs.action))
         log_rho = log_pi - outputs.extras["log_prob"]
         reward = normalization.scale_rewards(nets, steps.reward)  # identity unless scaling
         if cfg.reward_clip > 0.0:
             reward = jnp.clip(reward, -cfg.reward_clip, cfg.reward_clip)
         vt = jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(
-            log_rho, reward, values, steps.terminated, steps.truncated, cfg.discount,
+            log_rho, reward, out.value, steps.terminated, steps.truncated, cfg.discount,
             cfg.rho_bar, cfg.c_bar, cfg.pg_rho_bar, cfg.vtrace_lambda)  # leaves [E, T]
-        mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
+        return Targets(vt.vs, vt.pg_advantage, log_pi), vt.rho
 
-        advantage = vt.pg_advantage
+    def loss(
+        self, nets: Nets, opt: OptState, experience: IMPALAExperience
+    ) -> tuple[jax.Array, tuple[IMPALAExperience, Metrics]]:
+        cfg = self.config
+        block = experience.step % cfg.num_minibatches
+        minibatch = _rows_block(experience.latest, block, cfg.num_minibatches)
+        experience_targets = experience.targets
+        experience = experience._replace(step=experience.step + 1)
+        steps, outputs = minibatch.trajectory.env_steps, minibatch.trajectory.actor_outputs
+        # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.
+        _, out = self.network.apply(nets, minibatch.core, steps.obs, steps.first)
+        dist, values = jax.tree.map(lambda x: x[:, :-1], out.policy), out.value  # [E, T], [E, T+1]
+        log_pi = dist.log_prob(outputs.action)  # [E, T]
+        log_rho = jax.lax.stop_gradient(log_pi - outputs.extras["log_prob"])
+        if self._fixed_targets:
+            targets = _rows_block(experience_targets, block, cfg.num_minibatches)
+        else:
+            targets, _ = self._targets(nets, minibatch.trajectory, out)
+        mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
+        rho = jnp.exp(log_rho)
+
+        advantage = targets.advantage
         if cfg.normalize_advantages:
             advantage = policy.standardize(advantage, mask)
-        pg_loss = -policy.masked_mean(log_pi * advantage, mask)
-        baseline_loss = 0.5 * policy.masked_mean((vt.vs - values[:, :-1]) ** 2, mask)
+        # pi / pi_0, pi_0 the policy the targets were computed with: 1 at an update's first
+        # step (the paper's gradient, advantage * grad log pi), the drift since at later ones.
+        ratio = jnp.exp(log_pi - targets.log_prob)
+        pg_loss = -policy.masked_mean(ratio * advantage, mask)
+        baseline_loss = 0.5 * policy.masked_mean((targets.vs - values[:, :-1]) ** 2, mask)
         entropy = policy.masked_mean(dist.entropy(), mask)
         loss = pg_loss + cfg.baseline_cost * baseline_loss - self.entropy_cost * entropy
-        log_rho = jax.lax.stop_gradient(log_rho)
         metrics = {
             "pg_loss": pg_loss,
             "baseline_loss": baseline_loss,
             "entropy": entropy,
             # How far the learner has moved from the acting policy (the policy lag's cost).
-            "rho_mean": policy.masked_mean(vt.rho, mask),
-            "rho_clipped_fraction": policy.masked_mean(vt.rho > cfg.rho_bar, mask),
+            "rho_mean": policy.masked_mean(rho, mask),
+            "rho_clipped_fraction": policy.masked_mean(rho > cfg.rho_bar, mask),
             "approx_kl": policy.masked_mean(jnp.expm1(log_rho) - log_rho, mask),
         }
         return loss, (experience, metrics)
@@ -207,3 +289,11 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     ) -> tuple[Nets, OptState]:
         updates, opt = self.optimizer.update(grads, opt, nets)
         return optax.apply_updates(nets, updates), opt
+
+
+def _rows_block(tree: PyTree, index: jax.Array, num_blocks: int) -> PyTree:
+    """Block `index` of `num_blocks` equal contiguous blocks of the env rows (the leading
+    axis of every leaf)."""
+    rows = jax.tree.leaves(tree)[0].shape[0] // num_blocks
+    return jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, index * rows, rows, axis=0), tree)

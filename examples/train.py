@@ -9,7 +9,9 @@
 
 The run flags are generated from `sebulba.Config`, one per field and named as it
 (`--envs_per_group`, `--steps_per_cycle`, ...), with its defaults and docs; the agent flags
-from the agent's config (`--<agent>_<field>`). Devices are chosen by index into this
+from the agent's config (`--<agent>_<field>`). `--steps_per_cycle` defaults to R2D2's
+sequence period (`--r2d2_sequence_length` - `--r2d2_sequence_overlap`) for R2D2, which
+builds its sequences from whole cycles. Devices are chosen by index into this
 process's local devices. Across machines, run the same command on every host with its
 own --process_id:
 
@@ -194,6 +196,10 @@ def main(argv: list[str]) -> None:
     try:  # every bad value is reported here, before envs, threads or devices start
         agent_config = _AGENT_FLAGS[_AGENT.value].config()
         run_values = _RUN_FLAGS.values()
+        # An agent that builds sequences from whole cycles (R2D2) fixes T unless it is set.
+        period = getattr(agent_config, "sequence_period", None)
+        if period is not None and not flags.FLAGS[_RUN_FLAGS.flag_name("steps_per_cycle")].present:
+            run_values["steps_per_cycle"] = period
         if not _PROGRESS_TIMEOUT.value > 0:
             raise ValueError(
                 f"--progress_timeout_seconds must be > 0, got {_PROGRESS_TIMEOUT.value}")

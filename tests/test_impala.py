@@ -28,6 +28,8 @@ SPEC = sebulba.env_spec("CartPole-v1")
     ({"entropy_cost": -0.01}, "entropy_cost must be >= 0, got -0.01"),
     ({"reward_clip": -1.0}, "reward_clip must be >= 0, got -1.0"),
     ({"c_bar": 2.0}, "c_bar must be <= rho_bar, got c_bar=2.0 > rho_bar=1.0"),
+    ({"num_minibatches": 0}, "num_minibatches must be an int >= 1, got 0"),
+    ({"num_epochs": 0}, "num_epochs must be an int >= 1, got 0"),
 ])
 def test_bad_config_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -113,18 +115,18 @@ def test_a_trajectory_from_older_networks_is_corrected(no_leftovers):
 
 
 def _experience(agent, nets, reward):
-    """A zero trajectory of 4 envs x 5 steps with `reward` everywhere, actions of the
-    learner's own policy (ratio 1)."""
+    """A zero trajectory of 4 envs x 5 steps with rewards `reward` (broadcast to [4, 6]),
+    actions of the learner's own policy (ratio 1)."""
     trajectory = sebulba.zeros_trajectory(agent, nets, 4, 5)
     steps = trajectory.env_steps._replace(
         obs=jax.random.normal(jax.random.key(1), trajectory.env_steps.obs.shape),
         reward=jnp.full((4, 6), reward, jnp.float32))
-    _, out = agent.network.apply(nets, (), steps.obs[:, :-1], steps.first[:, :-1])
+    state = agent.new_step_state(nets, jax.random.key(0), 4)
+    _, out = agent.network.apply(nets, state.core, steps.obs[:, :-1], steps.first[:, :-1])
     outputs = sebulba.ActorOutput(
         action=trajectory.actor_outputs.action,
         extras={"log_prob": jax.nn.log_softmax(out.policy.logits)[..., 0]})
-    return agent.update_experience(None, agent.new_step_state(nets, jax.random.key(0), 4),
-                                   None, sebulba.Trajectory(steps, outputs), nets)
+    return agent.update_experience(None, state, None, sebulba.Trajectory(steps, outputs), nets)
 
 
 @pytest.mark.timeout(60)
@@ -153,3 +155,51 @@ def test_an_optimizer_step_lowers_the_loss(optimizer):
     nets, _ = agent.optimize_from_grads(nets, opt, grads)
     after, _ = loss_and_grad(nets)
     assert float(after) < float(before)
+
+
+@pytest.mark.timeout(60)
+def test_minibatches_split_the_rows_and_each_pass_visits_every_row_once():
+    agent = IMPALA(SPEC, IMPALAConfig(num_minibatches=2, num_epochs=3))
+    assert agent.num_off_policy_optims_per_cycle() == 6
+    nets = agent.new_networks(jax.random.key(0))
+    loss = jax.jit(agent.loss)
+    losses = {}
+    # Other rewards in rows 2 and 3 only: the first minibatch (rows 0, 1) cannot see them.
+    for name, row_rewards in (("base", [1.0, 1.0, 1.0, 1.0]), ("changed", [1.0, 1.0, 5.0, 5.0])):
+        experience = _experience(agent, nets, np.array(row_rewards)[:, None])
+        losses[name] = []
+        for _ in range(4):
+            value, (experience, _) = loss(nets, (), experience)
+            losses[name].append(float(value))
+    assert losses["base"][0] == losses["changed"][0]
+    assert losses["base"][1] != pytest.approx(losses["changed"][1], rel=1e-3)
+    # The next pass starts over with the first rows.
+    assert losses["base"][2:] == pytest.approx(losses["base"][:2], rel=1e-6)
+    assert losses["changed"][2] == losses["base"][2]
+
+
+@pytest.mark.timeout(60)
+def test_targets_fixed_as_the_shard_arrives_are_those_one_step_computes():
+    # Several steps per shard learn towards targets computed once, from the networks the
+    # shard met; from the same networks they are exactly what a single step computes.
+    one_step = IMPALA(SPEC, IMPALAConfig(use_lstm=True, lstm_size=8, hidden_sizes=(8,)))
+    two_epochs = IMPALA(SPEC, IMPALAConfig(use_lstm=True, lstm_size=8, hidden_sizes=(8,),
+                                           num_epochs=2))
+    nets = one_step.new_networks(jax.random.key(0))
+    rewards = np.arange(4.0)[:, None]
+    single, (_, metrics) = one_step.loss(nets, (), _experience(one_step, nets, rewards))
+    fixed_experience = _experience(two_epochs, nets, rewards)
+    fixed, (_, fixed_metrics) = two_epochs.loss(nets, (), fixed_experience)
+    assert float(fixed) == pytest.approx(float(single), rel=1e-5)
+    assert float(fixed_metrics["pg_loss"]) == pytest.approx(float(metrics["pg_loss"]), rel=1e-5)
+    assert np.abs(np.asarray(fixed_experience.targets.advantage)).max() > 0
+
+
+@pytest.mark.timeout(60)
+def test_minibatches_that_do_not_divide_the_rows_are_refused():
+    agent = IMPALA(SPEC, IMPALAConfig(num_minibatches=3))
+    nets = agent.new_networks(jax.random.key(0))
+    layout = sebulba.Layout(envs_per_group=8, num_groups=1, steps_per_cycle=4,
+                            num_learner_devices=2)
+    with pytest.raises(ValueError, match="num_minibatches=3 must divide the 4 env rows"):
+        agent.new_experience_state(nets, jax.random.key(1), layout)

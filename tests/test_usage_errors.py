@@ -4,6 +4,7 @@ of help; env wrappers by name; figures readable at any scale."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def assert_usage_error(result: subprocess.CompletedProcess, message: str) -> Non
     (["--r2d2_lstm_size=8"], "--r2d2_lstm_size is a flag of agent 'r2d2', but this run's "
                              "agent is 'ppo' (--agent=ppo), so it would be ignored"),
     # Checks of the agent against the run, which used to be tracebacks.
-    (["--agent=r2d2"], "--steps_per_cycle=32 must equal the sequence period"),
+    (["--agent=r2d2", "--steps_per_cycle=32"],
+     "--steps_per_cycle=32 must equal the sequence period"),
     (["--agent=r2d2", "--env=Pendulum-v1", "--steps_per_cycle=40"],
      "R2D2 acts in Discrete action spaces only"),
     (["--agent=r2d2", "--r2d2_sequence_overlap=100"],
@@ -118,6 +120,20 @@ def test_an_agents_check_against_the_run_fires_before_its_networks_are_initializ
     result = launcher("--agent=r2d2", "--steps_per_cycle=32", code=COUNT_INITIALIZATIONS)
     assert_usage_error(result, "--steps_per_cycle=32 must equal the sequence period")
     assert "networks initialized" not in result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_r2d2_takes_its_sequence_period_as_steps_per_cycle_unless_it_is_set():
+    result = launcher(
+        "--agent=r2d2", "--r2d2_sequence_length=12", "--r2d2_sequence_overlap=6",
+        "--r2d2_burn_in=2", "--r2d2_min_replay_size=4", "--r2d2_batch_size=4",
+        "--envs_per_group=4", "--async_factor=1", "--progress=false", "--log_every_seconds=0",
+        "--total_env_steps=480", timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    # Trajectories of 4 envs x T = 12 - 6 steps: 20 updates for 480 steps (T = 32 would
+    # make updates of 128 steps).
+    assert summary["consumed"] == 480 and summary["learner_updates"] == 20
 
 
 @pytest.mark.timeout(60)
