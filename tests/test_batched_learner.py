@@ -228,10 +228,10 @@ def test_impala_learns_from_two_trajectories_per_update(no_leftovers):
     assert result.learner_updates == trajectories // 2 == 12
     assert len(result.policy_lags) == trajectories and min(result.policy_lags) >= 0
     assert np.isfinite(result.metrics["loss"]) and np.isfinite(result.metrics["rho_mean"])
-    experience = result.state.experience  # of one learner device: 2 x 8 / 2 envs
-    assert experience.trajectory.actor_outputs.action.shape == (8, 8)
+    latest = result.state.experience.latest  # of one learner device: 2 x 8 / 2 envs
+    assert latest.trajectory.actor_outputs.action.shape == (8, 8)
     # the policy's and the value's LSTM states (IMPALA's LSTM has a value core of its own)
-    assert [c.cell.shape for c in experience.core] == [(8, 16), (8, 16)]
+    assert [c.cell.shape for c in latest.core] == [(8, 16), (8, 16)]
 
 
 @pytest.mark.timeout(240)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import sebulba
@@ -30,6 +31,7 @@ SPEC = sebulba.env_spec("CartPole-v1")
     ({"c_bar": 2.0}, "c_bar must be <= rho_bar, got c_bar=2.0 > rho_bar=1.0"),
     ({"num_minibatches": 0}, "num_minibatches must be an int >= 1, got 0"),
     ({"num_epochs": 0}, "num_epochs must be an int >= 1, got 0"),
+    ({"ratio_clip": 0.0}, "ratio_clip must be > 0, got 0.0"),
 ])
 def test_bad_config_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -203,3 +205,24 @@ def test_minibatches_that_do_not_divide_the_rows_are_refused():
                             num_learner_devices=2)
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 4 env rows"):
         agent.new_experience_state(nets, jax.random.key(1), layout)
+
+
+@pytest.mark.timeout(60)
+def test_later_steps_clip_the_policys_drift_from_the_targets_policy():
+    # Past 1 + ratio_clip a positive advantage no longer pulls the policy further.
+    agent = IMPALA(SPEC, IMPALAConfig(num_epochs=2, ratio_clip=0.2, entropy_cost=0.0,
+                                      baseline_cost=0.0))
+    nets = agent.new_networks(jax.random.key(0))
+    experience = _experience(agent, nets, 1.0)
+    advantage = np.asarray(experience.targets.advantage)
+    assert (advantage > 0).all()
+
+    def pg_grad_norm(log_prob_shift):
+        # As if the policy had moved since the targets: pi / pi_0 = exp(shift).
+        moved = experience._replace(targets=experience.targets._replace(
+            log_prob=experience.targets.log_prob - log_prob_shift))
+        grads = jax.grad(lambda n: agent.loss(n, (), moved)[0])(nets)
+        return float(optax.global_norm(grads))
+
+    assert pg_grad_norm(0.0) > 0 and pg_grad_norm(0.1) > 0  # ratio 1.1: inside the clip
+    assert pg_grad_norm(0.5) == 0.0  # ratio 1.65: clipped
