@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import normalization, policy
+from agents.common import networks, normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
@@ -221,7 +221,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
             # step, they would shrink as the value fits this very shard.
             _, out = self.network.apply(nets, latest.core, trajectory.env_steps.obs,
                                         trajectory.env_steps.first)
-            targets = self._targets(nets, latest.trajectory, out)[0]
+            targets = self._targets(nets, latest.trajectory, out)
         else:
             zeros = jnp.zeros(trajectory.actor_outputs.action.shape[:2], jnp.float32)
             targets = Targets(zeros, zeros, zeros)
@@ -236,9 +236,9 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     def _fixed_targets(self) -> bool:
         return self.num_off_policy_optims_per_cycle() > 1
 
-    def _targets(self, nets: Nets, trajectory: Trajectory, out) -> tuple[Targets, jax.Array]:
+    def _targets(self, nets: Nets, trajectory: Trajectory, out: networks.PolicyValue) -> Targets:
         """V-trace targets and advantages of `trajectory` (leaves [E, T(+1)]) from the
-        network's outputs `out` on it, and the importance ratios pi / mu [E, T]."""
+        network's outputs `out` on it."""
         cfg = self.config
         steps, outputs = trajectory.env_steps, trajectory.actor_outputs
         dist = jax.tree.map(lambda x: x[:, :-1], out.policy)
@@ -250,7 +250,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         vt = jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(
             log_rho, reward, out.value, steps.terminated, steps.truncated, cfg.discount,
             cfg.rho_bar, cfg.c_bar, cfg.pg_rho_bar, cfg.vtrace_lambda)  # leaves [E, T]
-        return Targets(vt.vs, vt.pg_advantage, log_pi), vt.rho
+        return Targets(vt.vs, vt.pg_advantage, log_pi)
 
     def loss(
         self, nets: Nets, opt: OptState, experience: IMPALAExperience
@@ -269,7 +269,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         if self._fixed_targets:
             targets = _rows_block(experience_targets, block, cfg.num_minibatches)
         else:
-            targets, _ = self._targets(nets, minibatch.trajectory, out)
+            targets = self._targets(nets, minibatch.trajectory, out)
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
         rho = jnp.exp(log_rho)
 
