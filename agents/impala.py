@@ -281,8 +281,8 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         # ones, clipped pessimistically as PPO does (unclipped, 4 x 4 steps learnt
         # RepeatPrevious-v0 to 0.98 and fell back to 0.5 twice).
         ratio = jnp.exp(log_pi - targets.log_prob)
-        clipped = jnp.clip(ratio, 1.0 - cfg.ratio_clip, 1.0 + cfg.ratio_clip)
-        pg_loss = -policy.masked_mean(jnp.minimum(ratio * advantage, clipped * advantage), mask)
+        surrogate = policy.clipped_surrogate(ratio, advantage, cfg.ratio_clip)
+        pg_loss = -policy.masked_mean(surrogate, mask)
         baseline_loss = 0.5 * policy.masked_mean((targets.vs - values[:, :-1]) ** 2, mask)
         entropy = policy.masked_mean(dist.entropy(), mask)
         loss = pg_loss + cfg.baseline_cost * baseline_loss - self.entropy_cost * entropy

@@ -285,8 +285,7 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         advantage = b.advantage
         if cfg.normalize_advantages:
             advantage = policy.standardize(advantage, b.mask)
-        clipped_ratio = jnp.clip(ratio, 1.0 - cfg.clip_epsilon, 1.0 + cfg.clip_epsilon)
-        surrogate = jnp.minimum(ratio * advantage, clipped_ratio * advantage)
+        surrogate = policy.clipped_surrogate(ratio, advantage, cfg.clip_epsilon)
         # Importance weights correct the prioritized sampling of segments (1 if alpha = 0).
         pg_loss = -masked_mean(weight[:, None] * surrogate)
 

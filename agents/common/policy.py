@@ -139,6 +139,14 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def clipped_surrogate(ratio: jax.Array, advantage: jax.Array, epsilon: float) -> jax.Array:
+    """PPO's pessimistic objective per step (same shapes in and out): min(r A, clip(r,
+    1 - epsilon, 1 + epsilon) A), whose gradient vanishes once the ratio r = pi / pi_old
+    has moved past the clip in the advantage's direction."""
+    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon)
+    return jnp.minimum(ratio * advantage, clipped * advantage)
+
+
 def standardize(x: jax.Array, mask: jax.Array) -> jax.Array:
     """`x` less its masked mean, over its masked std (shapes as `masked_mean`): advantages
     in units the policy loss can weigh against the entropy bonus whatever the rewards'
