@@ -204,8 +204,8 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
                 "device's update shard (trajectories_per_update x envs_per_group x "
                 "agents per env / learner devices)")
         latest = policy.zeros_latest_trajectory(self, nets, layout)
-        zeros = jnp.zeros(latest.trajectory.actor_outputs.action.shape[:2], jnp.float32)
-        return IMPALAExperience(latest, Targets(zeros, zeros, zeros), jnp.zeros((), jnp.int32))
+        return IMPALAExperience(latest, _zero_targets(latest.trajectory),
+                                jnp.zeros((), jnp.int32))
 
     def update_experience(
         self,
@@ -223,8 +223,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
                                         trajectory.env_steps.first)
             targets = self._targets(nets, latest.trajectory, out)
         else:
-            zeros = jnp.zeros(trajectory.actor_outputs.action.shape[:2], jnp.float32)
-            targets = Targets(zeros, zeros, zeros)
+            targets = _zero_targets(trajectory)
         return IMPALAExperience(latest, targets, jnp.zeros((), jnp.int32))
 
     # Learning: a V-trace actor-critic step per minibatch of env rows.
@@ -302,6 +301,12 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     ) -> tuple[Nets, OptState]:
         updates, opt = self.optimizer.update(grads, opt, nets)
         return optax.apply_updates(nets, updates), opt
+
+
+def _zero_targets(trajectory: Trajectory) -> Targets:
+    """Placeholder targets [E, T] for `trajectory` (the single step computes its own)."""
+    zeros = jnp.zeros(trajectory.actor_outputs.action.shape[:2], jnp.float32)
+    return Targets(zeros, zeros, zeros)
 
 
 def _rows_block(tree: PyTree, index: jax.Array, num_blocks: int) -> PyTree:
