@@ -2,8 +2,8 @@
 
 Each update's trajectory shard (`trajectories_per_update` trajectories joined along the
 env axis) is learnt from as it arrives: one V-trace step by default, or `num_epochs`
-passes of `num_minibatches` steps over blocks of its env rows, towards targets fixed as
-it arrived, with the policy's drift within the update clipped as in PPO. In Sebulba the
+passes of `num_minibatches` steps over random splits of its env rows, towards targets
+fixed as it arrived, with the policy's drift within the update clipped as in PPO. In Sebulba the
 networks that acted are usually 1-2 updates older than the learner's (the learner
 publishes after the trajectory was produced), so the learner's policy pi is not the
 behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and V-trace
@@ -31,6 +31,7 @@ import sebulba
 from agents.common import networks, normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import vtrace
+from sebulba.experience import segments
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
 OPTIMIZERS = ("adam", "rmsprop")
@@ -76,9 +77,10 @@ class IMPALAConfig(policy.ActorCriticOptions):
         also made it collapse on CartPole, as tiny advantages near the optimum become
         unit-sized ones (benchmarks/RESULTS.md, "IMPALA and the reward scale"); the LSTM
         defaults scale the rewards instead.
-      num_minibatches: optimizer steps per pass over an update's shard, each on a
-        contiguous block of its env rows (whole rows: an LSTM unrolls each from the
-        state its actor had).
+      num_minibatches: optimizer steps per pass over an update's shard, each on 1 /
+        num_minibatches of its env rows, split afresh at random for each pass as PPO
+        splits its segments (whole rows: an LSTM unrolls each from the state its actor
+        had; with `central_value`, whole envs).
       num_epochs: passes over each update's shard. With more than one step per shard
         the targets and advantages are computed once, as the shard arrives (recomputed
         at each step they shrink as the value fits the shard, and the LSTM agent stayed
@@ -163,14 +165,17 @@ class Targets(NamedTuple):
 
 
 class IMPALAExperience(NamedTuple):
-    """The latest update's shard, its targets (computed as it arrives, from the networks
+    """The latest update's shard; its targets (computed as it arrives, from the networks
     of that moment, when several optimizer steps learn from it; zeros otherwise: the one
-    step computes its own) and the count of optimizer steps taken on it (which picks the
-    next minibatch: block `step % num_minibatches` of its rows)."""
+    step computes its own); the env rows of each of those steps (a fresh random split of
+    the rows per pass, as PPO splits its segments); the count of steps taken on it; and
+    the key of the next shard's split."""
 
     latest: policy.LatestTrajectory
     targets: Targets
+    rows: jax.Array  # [num_epochs * num_minibatches, E / num_minibatches] int32
     step: jax.Array  # int32 scalar
+    key: jax.Array  # typed PRNG key
 
 
 class IMPALA(policy.ActorCriticActing, sebulba.Agent):
@@ -181,6 +186,8 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         super().__init__(env_spec)
         self.config = config = config.resolved()
         self.entropy_cost = policy.entropy_cost(config, env_spec.action_space)
+        # A centralized value sees all agents of an env: their rows share each minibatch.
+        self.central_agents = env_spec.agents_per_env if config.central_value else 1
         self.network, self.return_discount = policy.actor_critic_network(
             env_spec, config, config.hidden_sizes, config.lstm_size if config.use_lstm else 0,
             config.discount)
@@ -198,14 +205,16 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     def new_experience_state(self, nets: Nets, key: jax.Array,
                              layout: sebulba.Layout) -> IMPALAExperience:
         rows, m = layout.envs_per_update_shard, self.config.num_minibatches
-        if rows % m:
+        group = self.central_agents
+        if (rows // group) % m:
             raise ValueError(
-                f"num_minibatches={m} must divide the {rows} env rows of each learner "
-                "device's update shard (trajectories_per_update x envs_per_group x "
-                "agents per env / learner devices)")
+                f"num_minibatches={m} must divide the {rows // group} "
+                + ("envs (of " + str(group) + " agent rows each, for the centralized value) "
+                   if group > 1 else "env rows ")
+                + "of each learner device's update shard (trajectories_per_update x "
+                "envs_per_group x agents per env / learner devices)")
         latest = policy.zeros_latest_trajectory(self, nets, layout)
-        return IMPALAExperience(latest, _zero_targets(latest.trajectory),
-                                jnp.zeros((), jnp.int32))
+        return self._experience(latest, _zero_targets(latest.trajectory), key)
 
     def update_experience(
         self,
@@ -224,7 +233,18 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
             targets = self._targets(nets, latest.trajectory, out)
         else:
             targets = _zero_targets(trajectory)
-        return IMPALAExperience(latest, targets, jnp.zeros((), jnp.int32))
+        return self._experience(latest, targets, experience.key)
+
+    def _experience(self, latest: policy.LatestTrajectory, targets: Targets,
+                    key: jax.Array) -> IMPALAExperience:
+        """The experience of a new shard: its rows split into each step's minibatch."""
+        cfg = self.config
+        key, split_key = jax.random.split(key)
+        # Whole rows: the LSTM unrolls each from the state its actor had.
+        plan = segments.plan_minibatches(split_key, targets.advantage, cfg.num_epochs,
+                                         cfg.num_minibatches, 0.0, 1.0,
+                                         self.central_agents)
+        return IMPALAExperience(latest, targets, plan.indices, jnp.zeros((), jnp.int32), key)
 
     # Learning: a V-trace actor-critic step per minibatch of env rows.
 
@@ -255,8 +275,9 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         self, nets: Nets, opt: OptState, experience: IMPALAExperience
     ) -> tuple[jax.Array, tuple[IMPALAExperience, Metrics]]:
         cfg = self.config
-        block = experience.step % cfg.num_minibatches
-        minibatch = _rows_block(experience.latest, block, cfg.num_minibatches)
+        # The modulo only matters if the loss is called more often than the framework does.
+        rows = experience.rows[experience.step % experience.rows.shape[0]]
+        minibatch = jax.tree.map(lambda x: x[rows], experience.latest)
         experience_targets = experience.targets
         experience = experience._replace(step=experience.step + 1)
         steps, outputs = minibatch.trajectory.env_steps, minibatch.trajectory.actor_outputs
@@ -266,7 +287,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         log_pi = dist.log_prob(outputs.action)  # [E, T]
         log_rho = jax.lax.stop_gradient(log_pi - outputs.extras["log_prob"])
         if self._fixed_targets:
-            targets = _rows_block(experience_targets, block, cfg.num_minibatches)
+            targets = jax.tree.map(lambda x: x[rows], experience_targets)
         else:
             targets = self._targets(nets, minibatch.trajectory, out)
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
@@ -308,10 +329,3 @@ def _zero_targets(trajectory: Trajectory) -> Targets:
     zeros = jnp.zeros(trajectory.actor_outputs.action.shape[:2], jnp.float32)
     return Targets(zeros, zeros, zeros)
 
-
-def _rows_block(tree: PyTree, index: jax.Array, num_blocks: int) -> PyTree:
-    """Block `index` of `num_blocks` equal contiguous blocks of the env rows (the leading
-    axis of every leaf)."""
-    rows = jax.tree.leaves(tree)[0].shape[0] // num_blocks
-    return jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(x, index * rows, rows, axis=0), tree)

@@ -128,7 +128,11 @@ def _experience(agent, nets, reward):
     outputs = sebulba.ActorOutput(
         action=trajectory.actor_outputs.action,
         extras={"log_prob": jax.nn.log_softmax(out.policy.logits)[..., 0]})
-    return agent.update_experience(None, state, None, sebulba.Trajectory(steps, outputs), nets)
+    layout = sebulba.Layout(envs_per_group=4, num_groups=1, steps_per_cycle=5,
+                            num_learner_devices=1)
+    experience = agent.new_experience_state(nets, jax.random.key(2), layout)
+    return agent.update_experience(experience, state, None,
+                                   sebulba.Trajectory(steps, outputs), nets)
 
 
 @pytest.mark.timeout(60)
@@ -160,24 +164,35 @@ def test_an_optimizer_step_lowers_the_loss(optimizer):
 
 
 @pytest.mark.timeout(60)
-def test_minibatches_split_the_rows_and_each_pass_visits_every_row_once():
+def test_minibatches_split_the_rows_afresh_and_each_pass_visits_every_row_once():
     agent = IMPALA(SPEC, IMPALAConfig(num_minibatches=2, num_epochs=3))
     assert agent.num_off_policy_optims_per_cycle() == 6
     nets = agent.new_networks(jax.random.key(0))
+    experience = _experience(agent, nets, 1.0)
+    rows = np.asarray(experience.rows)
+    assert rows.shape == (6, 2)
+    for epoch in rows.reshape(3, 4):  # each pass: a split of all 4 rows
+        assert sorted(epoch) == [0, 1, 2, 3]
+    # Each step learns from its own rows alone: other rewards elsewhere leave it unchanged
+    # (`_experience` splits every shard with the same key, so the rows are the same).
     loss = jax.jit(agent.loss)
-    losses = {}
-    # Other rewards in rows 2 and 3 only: the first minibatch (rows 0, 1) cannot see them.
-    for name, row_rewards in (("base", [1.0, 1.0, 1.0, 1.0]), ("changed", [1.0, 1.0, 5.0, 5.0])):
-        experience = _experience(agent, nets, np.array(row_rewards)[:, None])
-        losses[name] = []
-        for _ in range(4):
-            value, (experience, _) = loss(nets, (), experience)
-            losses[name].append(float(value))
-    assert losses["base"][0] == losses["changed"][0]
-    assert losses["base"][1] != pytest.approx(losses["changed"][1], rel=1e-3)
-    # The next pass starts over with the first rows.
-    assert losses["base"][2:] == pytest.approx(losses["base"][:2], rel=1e-6)
-    assert losses["changed"][2] == losses["base"][2]
+    for step in range(6):
+        others = sorted(set(range(4)) - set(rows[step]))
+        changed = _experience(agent, nets, np.where(np.isin(np.arange(4), others), 5.0,
+                                                    1.0)[:, None])
+        mine = _experience(agent, nets, np.where(np.isin(np.arange(4), rows[step]), 5.0,
+                                                 1.0)[:, None])
+        at = experience._replace(step=jnp.int32(step))
+        base = float(loss(nets, (), at)[0])
+        assert float(loss(nets, (), changed._replace(step=jnp.int32(step)))[0]) == base
+        assert float(loss(nets, (), mine._replace(step=jnp.int32(step)))[0]) != \
+            pytest.approx(base, rel=1e-3)
+    # A new shard gets a new split (the key moves on).
+    layout = sebulba.Layout(envs_per_group=64, num_groups=1, steps_per_cycle=2,
+                            num_learner_devices=1)
+    first = agent.new_experience_state(nets, jax.random.key(3), layout)
+    second = agent._experience(first.latest, first.targets, first.key)
+    assert not np.array_equal(np.asarray(first.rows), np.asarray(second.rows))
 
 
 @pytest.mark.timeout(60)

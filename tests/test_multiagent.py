@@ -397,18 +397,37 @@ def test_agents_absent_at_the_reset_or_rejoining_are_padding_until_they_start():
     assert source.padding_steps == 1  # the second reset's (the first precedes acting)
 
 
+@pytest.mark.timeout(60)
+def test_impala_minibatches_of_a_central_value_hold_whole_envs():
+    spec = sebulba.env_spec(ROLE_CALL, {}, "pettingzoo", agent_ids=True)
+    agent = IMPALA(spec, IMPALAConfig(central_value=True, num_minibatches=2, num_epochs=2))
+    nets = agent.new_networks(jax.random.key(0))
+    k = spec.agents_per_env
+    layout = sebulba.Layout(envs_per_group=4 * k, num_groups=1, steps_per_cycle=3,
+                            num_learner_devices=1, agents_per_env=k)
+    rows = np.asarray(agent.new_experience_state(nets, jax.random.key(1), layout).rows)
+    assert rows.shape == (4, 2 * k)
+    for step_rows in rows:  # 2 whole envs per step, each env's agents adjacent, in order
+        envs = step_rows.reshape(2, k)
+        assert (envs == envs[:, :1] + np.arange(k)).all() and (envs[:, 0] % k == 0).all()
+    odd = sebulba.Layout(envs_per_group=3 * k, num_groups=1, steps_per_cycle=3,
+                         num_learner_devices=1, agents_per_env=k)
+    with pytest.raises(ValueError, match=f"num_minibatches=2 must divide the 3 envs \\(of {k} "
+                                         "agent rows each"):
+        agent.new_experience_state(nets, jax.random.key(1), odd)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("agent_cls,config_cls", [(PPO, PPOConfig), (IMPALA, IMPALAConfig)])
 def test_a_central_value_trains_on_learner_shards_of_whole_envs(agent_cls, config_cls,
                                                                  no_leftovers):
     # 4 envs x 3 agents per group over 2 learner devices: 6 rows, 2 whole envs, per shard,
-    # and PPO's 2 minibatches of one env each: the learner's shapes fit a central value
-    # end to end (that minibatches hold whole envs in order is
+    # and 2 minibatches of one env each: the learner's shapes fit a central value end to
+    # end (that PPO's minibatches hold whole envs in order is
     # test_minibatches_keep_each_env_s_agents_together's).
     config = sebulba.Config(env=ROLE_CALL, vectorization="pettingzoo", agent_ids=True,
                             envs_per_group=4, steps_per_cycle=8, learner_devices=[0, 1])
-    kwargs = {"num_minibatches": 2} if agent_cls is PPO else {}
-    agent = agent_cls(config.env_spec(), config_cls(central_value=True, **kwargs))
+    agent = agent_cls(config.env_spec(), config_cls(central_value=True, num_minibatches=2))
     result = sebulba.Sebulba(agent, config).run(3 * 4 * 8 * 2 * 6)
     assert result.learner_updates >= 6
     assert all(np.isfinite(v) for v in result.metrics.values())
