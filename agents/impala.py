@@ -1,13 +1,16 @@
 """IMPALA (Espeholt et al., 2018): an actor-critic corrected for policy lag by V-trace.
 
 Each update's trajectory shard (`trajectories_per_update` trajectories joined along the
-env axis) is learnt from as it arrives: one V-trace step by default, or `num_epochs`
-passes of `num_minibatches` steps over random splits of its env rows, towards targets
-fixed as it arrived, with the policy's drift within the update clipped as in PPO. In Sebulba the
-networks that acted are usually 1-2 updates older than the learner's (the learner
-publishes after the trajectory was produced), so the learner's policy pi is not the
-behaviour policy mu: the actor records log mu(a | x) in `ActorOutput.extras` and V-trace
-weighs the returns and the policy gradient by clipped ratios pi / mu.
+env axis) is learnt from as it arrives. In Sebulba the networks that acted are usually
+1-2 updates older than the learner's (the learner publishes after the trajectory was
+produced), so the learner's policy pi is not the behaviour policy mu: the actor records
+log mu(a | x) in `ActorOutput.extras`. Two schedules:
+- one step per shard (the paper's, the feed-forward default): V-trace targets for the
+  value, and a policy gradient weighted by the clipped ratio pi / mu;
+- `num_epochs` passes of `num_minibatches` steps over random splits of the shard's env
+  rows (the LSTM default, 4 x 4): the V-trace targets and advantages are fixed as the
+  shard arrives, and the policy learns by PPO's clipped surrogate of pi / mu on them,
+  as Sample Factory's APPO does.
 
 One network protocol (`agents.common.networks`), feed-forward (separate tanh MLPs for
 policy and value) or recurrent (`use_lstm`: resetting LSTM cores, by default one for the
@@ -41,12 +44,19 @@ OPTIMIZERS = ("adam", "rmsprop")
 class IMPALAConfig(policy.ActorCriticOptions):
     """Hyperparameters; the defaults learn CartPole-v1 with T = 32 (16 envs per group
     learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py). With
-    `use_lstm` three defaults differ: a value torso and LSTM of its own and rewards
-    scaled (`policy.ActorCriticOptions`' `shared_core` and `normalize_rewards`, as for
-    PPO), and lambda 0.9. They make the LSTM agent indifferent to the rewards' scale, and
-    it learns RepeatFirst-v0 (1/50 a step) and CartPoleNoVelocity-v1 (1 a step) with the
-    same settings (benchmarks/RESULTS.md, "IMPALA and the reward scale"). The fields of
-    `policy.ActorCriticOptions` (normalization, the Gaussian's std) come first.
+    `use_lstm` several defaults differ, so that the LSTM agent learns the memory suite
+    (RepeatFirst-v0 and RepeatPrevious-v0 at 1/46-1/50 a step, CartPoleNoVelocity-v1 at
+    1 a step) with one setting (benchmarks/RESULTS.md, "The memory suite"):
+    - a value torso and LSTM of its own and rewards scaled (`policy.ActorCriticOptions`'
+      `shared_core` and `normalize_rewards`, as for PPO): the value's gradients do not
+      reshape the policy's memory, and the rewards' scale does not matter;
+    - 4 minibatches x 4 epochs per shard at learning rate 2.5e-4 (PPO's), advantages
+      standardized per minibatch. With the paper's single step, whatever its settings,
+      the LSTM agent stayed at 0.43-0.49 on RepeatPrevious-v0: it recalled one bit of
+      the symbol shown 4 steps back;
+    - lambda 0.9.
+    The fields of `policy.ActorCriticOptions` (normalization, the Gaussian's std) come
+    first.
 
     Attributes:
       use_lstm: a resetting LSTM core between the torso and the heads (for partially
@@ -56,7 +66,8 @@ class IMPALAConfig(policy.ActorCriticOptions):
       optimizer: "adam" (the default: one setting learns CartPole and cue recall; the
         paper's RMSProp with eps 0.01 barely moved CartPole in 1M steps at lr 5e-4, its
         eps being large next to these small gradients) or "rmsprop" (decay 0.99).
-      learning_rate: the optimizer's step size.
+      learning_rate: the optimizer's step size. 0 (the default): by network, 2.5e-4 with
+        use_lstm (16 steps per shard), 1e-3 otherwise (one step per shard).
       optimizer_eps: epsilon of Adam or RMSProp (the paper's RMSProp used 0.01).
       max_grad_norm: gradients are clipped to this global norm before the optimizer.
       discount: per-step discount gamma.
@@ -71,35 +82,33 @@ class IMPALAConfig(policy.ActorCriticOptions):
         MultiDiscrete actions; `gaussian_entropy_cost` for Box ones).
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
-      normalize_advantages: standardize the policy gradient's V-trace advantages within
-        each update (as PPO does within each minibatch). Off by default: it let the
-        shared-core LSTM agent learn rewards of 1/50 a step, but without PPO's clipping it
-        also made it collapse on CartPole, as tiny advantages near the optimum become
-        unit-sized ones (benchmarks/RESULTS.md, "IMPALA and the reward scale"); the LSTM
-        defaults scale the rewards instead.
+      normalize_advantages: "auto" | "on" | "off": standardize the advantages within
+        each minibatch, as PPO does. "auto": on with several steps per shard, off for
+        one: with one unclipped step it made the shared-core LSTM agent collapse on
+        CartPole, as tiny advantages near the optimum become unit-sized ones
+        (benchmarks/RESULTS.md, "IMPALA and the reward scale").
       num_minibatches: optimizer steps per pass over an update's shard, each on 1 /
         num_minibatches of its env rows, split afresh at random for each pass as PPO
         splits its segments (whole rows: an LSTM unrolls each from the state its actor
-        had; with `central_value`, whole envs).
-      num_epochs: passes over each update's shard. With more than one step per shard
-        the targets and advantages are computed once, as the shard arrives (recomputed
-        at each step they shrink as the value fits the shard, and the LSTM agent stayed
-        at 0.47 on RepeatPrevious-v0), and each step weighs the advantages by pi / pi_0,
-        its policy's drift from the one that computed them, clipped at 1 +- ratio_clip
-        as PPO clips its ratio (V-trace still corrects the actors' lag through the
-        advantages). 1 x 1 by default, the paper's one step per trajectory. For memory
-        tasks try 4 minibatches x 2 epochs at learning rate 2.5e-4: they took the LSTM
-        agent from 0.45-0.49 to 0.91, 0.89, 0.69 on RepeatPrevious-v0 (seeds 0-2) and
-        scored 0.73, 0.86, 0.81 on CartPoleNoVelocity-v1 (the defaults: 0.85, 0.81,
-        0.71); benchmarks/RESULTS.md, "The memory suite".
-      ratio_clip: the clip of pi / pi_0 (only with several steps per shard).
+        had; with `central_value`, whole envs). 0 (the default): by network, 4 with
+        use_lstm, 1 otherwise.
+      num_epochs: passes over each update's shard; 0 (the default): by network, 4 with
+        use_lstm, 1 otherwise (the paper's single step). With more than one step per
+        shard the V-trace targets and advantages are computed once, as the shard
+        arrives (recomputed at each step they shrink as the value fits the shard), and
+        the policy maximizes PPO's clipped surrogate of pi / mu with them: the clip
+        bounds the drift from the policy that acted, lag included. Weighing V-trace's
+        own (rho-corrected) advantages by the drift since the shard arrived instead
+        left the lag unbounded: 4 x 4 steps scored 0.77 and 0.40 (advantages
+        standardized) on CartPoleNoVelocity-v1 where this objective scored 0.84.
+      ratio_clip: the clip of pi / mu (only with several steps per shard).
     """
 
     use_lstm: bool = False
     hidden_sizes: tuple[int, ...] = (64, 64)
     lstm_size: int = 64
     optimizer: str = "adam"
-    learning_rate: float = 1e-3
+    learning_rate: float = 0.0
     optimizer_eps: float = 1e-5
     max_grad_norm: float = 0.5
     discount: float = 0.99
@@ -110,9 +119,9 @@ class IMPALAConfig(policy.ActorCriticOptions):
     baseline_cost: float = 0.5
     entropy_cost: float = 0.01
     reward_clip: float = 0.0
-    normalize_advantages: bool = False
-    num_minibatches: int = 1
-    num_epochs: int = 1
+    normalize_advantages: str = "auto"
+    num_minibatches: int = 0
+    num_epochs: int = 0
     ratio_clip: float = 0.2
 
     def __post_init__(self):
@@ -126,7 +135,13 @@ class IMPALAConfig(policy.ActorCriticOptions):
         if not isinstance(self.lstm_size, int) or isinstance(self.lstm_size, bool) \
                 or self.lstm_size < 1:
             raise ValueError(f"lstm_size must be an int >= 1, got {self.lstm_size!r}")
-        for name in ("learning_rate", "optimizer_eps", "max_grad_norm", "rho_bar", "c_bar",
+        if not self.learning_rate >= 0.0:
+            raise ValueError(f"learning_rate must be > 0 (or 0: by network), got "
+                             f"{self.learning_rate!r}")
+        if self.normalize_advantages not in policy.SWITCHES:
+            raise ValueError(f"normalize_advantages must be one of {policy.SWITCHES}, got "
+                             f"{self.normalize_advantages!r}")
+        for name in ("optimizer_eps", "max_grad_norm", "rho_bar", "c_bar",
                      "pg_rho_bar", "ratio_clip"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -137,8 +152,9 @@ class IMPALAConfig(policy.ActorCriticOptions):
                              "(or -1: by network)")
         for name in ("num_minibatches", "num_epochs"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 1 (or 0: by network), got "
+                                 f"{value!r}")
         for name in ("baseline_cost", "entropy_cost", "reward_clip"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -148,20 +164,30 @@ class IMPALAConfig(policy.ActorCriticOptions):
                 f"c_bar must be <= rho_bar, got c_bar={self.c_bar!r} > rho_bar={self.rho_bar!r}")
 
     def resolved(self) -> IMPALAConfig:
-        """This config with `vtrace_lambda` -1 filled in by network."""
+        """This config with the fields left "by network" filled in."""
+        lstm = self.use_lstm
+        num_minibatches = self.num_minibatches or (4 if lstm else 1)
+        num_epochs = self.num_epochs or (4 if lstm else 1)
+        normalize = self.normalize_advantages
+        if normalize == "auto":
+            normalize = "on" if num_minibatches * num_epochs > 1 else "off"
         return dataclasses.replace(
-            self, vtrace_lambda=(self.vtrace_lambda if self.vtrace_lambda != -1.0
-                                 else 0.9 if self.use_lstm else 1.0))
+            self,
+            learning_rate=self.learning_rate or (2.5e-4 if lstm else 1e-3),
+            vtrace_lambda=(self.vtrace_lambda if self.vtrace_lambda != -1.0
+                           else 0.9 if lstm else 1.0),
+            num_minibatches=num_minibatches,
+            num_epochs=num_epochs,
+            normalize_advantages=normalize)
 
 
 class Targets(NamedTuple):
-    """What the policy and value learn towards, leaves [E, T]: the V-trace targets `vs`,
-    the policy gradient's advantages, and log pi(a_t | x_t) of the learner's policy when
-    they were computed (the later steps weigh the advantages by their drift from it)."""
+    """What the value and the policy learn towards, leaves [E, T]: the V-trace targets
+    `vs` and the advantages r_t + gamma v_{t+1} - V(x_t), without V-trace's ratio (the
+    clipped surrogate's pi / mu takes its place)."""
 
     vs: jax.Array
     advantage: jax.Array
-    log_prob: jax.Array
 
 
 class IMPALAExperience(NamedTuple):
@@ -230,7 +256,8 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
             # step, they would shrink as the value fits this very shard.
             _, out = self.network.apply(nets, latest.core, trajectory.env_steps.obs,
                                         trajectory.env_steps.first)
-            targets = self._targets(nets, latest.trajectory, out)
+            vt = self._vtrace(nets, latest.trajectory, out)
+            targets = Targets(vt.vs, vt.advantage)
         else:
             targets = _zero_targets(trajectory)
         return self._experience(latest, targets, experience.key)
@@ -255,21 +282,20 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
     def _fixed_targets(self) -> bool:
         return self.num_off_policy_optims_per_cycle() > 1
 
-    def _targets(self, nets: Nets, trajectory: Trajectory, out: networks.PolicyValue) -> Targets:
-        """V-trace targets and advantages of `trajectory` (leaves [E, T(+1)]) from the
-        network's outputs `out` on it."""
+    def _vtrace(self, nets: Nets, trajectory: Trajectory, out: networks.PolicyValue):
+        """V-trace on `trajectory` (leaves [E, T(+1)]) from the network's outputs `out` on
+        it: a `VTraceOutput` with leaves [E, T]."""
         cfg = self.config
         steps, outputs = trajectory.env_steps, trajectory.actor_outputs
         dist = jax.tree.map(lambda x: x[:, :-1], out.policy)
-        log_pi = jax.lax.stop_gradient(dist.log_prob(outputs.action))
-        log_rho = log_pi - outputs.extras["log_prob"]
+        log_rho = jax.lax.stop_gradient(dist.log_prob(outputs.action)) \
+            - outputs.extras["log_prob"]
         reward = normalization.scale_rewards(nets, steps.reward)  # identity unless scaling
         if cfg.reward_clip > 0.0:
             reward = jnp.clip(reward, -cfg.reward_clip, cfg.reward_clip)
-        vt = jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(
+        return jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(
             log_rho, reward, out.value, steps.terminated, steps.truncated, cfg.discount,
-            cfg.rho_bar, cfg.c_bar, cfg.pg_rho_bar, cfg.vtrace_lambda)  # leaves [E, T]
-        return Targets(vt.vs, vt.pg_advantage, log_pi)
+            cfg.rho_bar, cfg.c_bar, cfg.pg_rho_bar, cfg.vtrace_lambda)
 
     def loss(
         self, nets: Nets, opt: OptState, experience: IMPALAExperience
@@ -278,34 +304,38 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         # The modulo only matters if the loss is called more often than the framework does.
         rows = experience.rows[experience.step % experience.rows.shape[0]]
         minibatch = jax.tree.map(lambda x: x[rows], experience.latest)
-        experience_targets = experience.targets
-        experience = experience._replace(step=experience.step + 1)
         steps, outputs = minibatch.trajectory.env_steps, minibatch.trajectory.actor_outputs
         # All T + 1 observations: entry T (and truncated steps) are bootstrapped from.
         _, out = self.network.apply(nets, minibatch.core, steps.obs, steps.first)
         dist, values = jax.tree.map(lambda x: x[:, :-1], out.policy), out.value  # [E, T], [E, T+1]
         log_pi = dist.log_prob(outputs.action)  # [E, T]
-        log_rho = jax.lax.stop_gradient(log_pi - outputs.extras["log_prob"])
-        if self._fixed_targets:
-            targets = jax.tree.map(lambda x: x[rows], experience_targets)
-        else:
-            targets = self._targets(nets, minibatch.trajectory, out)
+        log_rho = log_pi - outputs.extras["log_prob"]  # log pi / mu
+        rho = jnp.exp(jax.lax.stop_gradient(log_rho))
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
-        rho = jnp.exp(log_rho)
 
-        advantage = targets.advantage
-        if cfg.normalize_advantages:
-            advantage = policy.standardize(advantage, mask)
-        # pi / pi_0, pi_0 the policy the targets were computed with: 1 at an update's first
-        # step (the paper's gradient, advantage * grad log pi), the drift since at later
-        # ones, clipped pessimistically as PPO does (unclipped, 4 x 4 steps learnt
-        # RepeatPrevious-v0 to 0.98 and fell back to 0.5 twice).
-        ratio = jnp.exp(log_pi - targets.log_prob)
-        surrogate = policy.clipped_surrogate(ratio, advantage, cfg.ratio_clip)
+        def advantages(advantage):
+            return policy.standardize(advantage, mask) if cfg.normalize_advantages == "on" \
+                else advantage
+
+        if self._fixed_targets:
+            targets = jax.tree.map(lambda x: x[rows], experience.targets)
+            # PPO's clipped surrogate of pi / mu (APPO): the clip bounds the policy's
+            # drift from the one that acted, lag included.
+            surrogate = policy.clipped_surrogate(jnp.exp(log_rho), advantages(targets.advantage),
+                                                 cfg.ratio_clip)
+            vs = targets.vs
+        else:
+            # The paper's: V-trace's clipped rho weighs advantage x grad log pi (written
+            # as A x pi / stop_gradient(pi): the gradient is that, the value A).
+            vt = self._vtrace(nets, minibatch.trajectory, out)
+            surrogate = advantages(vt.pg_advantage) * jnp.exp(
+                log_pi - jax.lax.stop_gradient(log_pi))
+            vs = vt.vs
         pg_loss = -policy.masked_mean(surrogate, mask)
-        baseline_loss = 0.5 * policy.masked_mean((targets.vs - values[:, :-1]) ** 2, mask)
+        baseline_loss = 0.5 * policy.masked_mean((vs - values[:, :-1]) ** 2, mask)
         entropy = policy.masked_mean(dist.entropy(), mask)
         loss = pg_loss + cfg.baseline_cost * baseline_loss - self.entropy_cost * entropy
+        log_rho = jax.lax.stop_gradient(log_rho)
         metrics = {
             "pg_loss": pg_loss,
             "baseline_loss": baseline_loss,
@@ -315,7 +345,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
             "rho_clipped_fraction": policy.masked_mean(rho > cfg.rho_bar, mask),
             "approx_kl": policy.masked_mean(jnp.expm1(log_rho) - log_rho, mask),
         }
-        return loss, (experience, metrics)
+        return loss, (experience._replace(step=experience.step + 1), metrics)
 
     def optimize_from_grads(
         self, nets: Nets, opt: OptState, grads: PyTree
@@ -327,5 +357,5 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
 def _zero_targets(trajectory: Trajectory) -> Targets:
     """Placeholder targets [E, T] for `trajectory` (the single step computes its own)."""
     zeros = jnp.zeros(trajectory.actor_outputs.action.shape[:2], jnp.float32)
-    return Targets(zeros, zeros, zeros)
+    return Targets(zeros, zeros)
 

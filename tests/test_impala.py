@@ -20,7 +20,9 @@ SPEC = sebulba.env_spec("CartPole-v1")
     ({"optimizer": "sgd"}, r"optimizer must be one of \('adam', 'rmsprop'\), got 'sgd'"),
     ({"hidden_sizes": (64, 0)}, r"hidden_sizes must be a tuple of ints >= 1, got \(64, 0\)"),
     ({"lstm_size": 0}, "lstm_size must be an int >= 1, got 0"),
-    ({"learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),
+    ({"learning_rate": -1e-3}, r"learning_rate must be > 0 \(or 0: by network\), got -0.001"),
+    ({"normalize_advantages": True},
+     r"normalize_advantages must be one of \('auto', 'on', 'off'\), got True"),
     ({"rho_bar": -1.0}, "rho_bar must be > 0, got -1.0"),
     ({"c_bar": 0.0}, "c_bar must be > 0, got 0.0"),
     ({"pg_rho_bar": 0.0}, "pg_rho_bar must be > 0, got 0.0"),
@@ -29,8 +31,8 @@ SPEC = sebulba.env_spec("CartPole-v1")
     ({"entropy_cost": -0.01}, "entropy_cost must be >= 0, got -0.01"),
     ({"reward_clip": -1.0}, "reward_clip must be >= 0, got -1.0"),
     ({"c_bar": 2.0}, "c_bar must be <= rho_bar, got c_bar=2.0 > rho_bar=1.0"),
-    ({"num_minibatches": 0}, "num_minibatches must be an int >= 1, got 0"),
-    ({"num_epochs": 0}, "num_epochs must be an int >= 1, got 0"),
+    ({"num_minibatches": -1}, r"num_minibatches must be an int >= 1 \(or 0: by network\), got -1"),
+    ({"num_epochs": 2.0}, r"num_epochs must be an int >= 1 \(or 0: by network\), got 2.0"),
     ({"ratio_clip": 0.0}, "ratio_clip must be > 0, got 0.0"),
 ])
 def test_bad_config_is_rejected(kwargs, message):
@@ -62,7 +64,9 @@ def test_lstm_training_unroll_reproduces_the_acting_policy():
     # The actor steps one observation at a time, resetting where `first` is set; the
     # learner unrolls the trajectory from the initial StepState's LSTM state. Both must
     # give the same logits, so that on-policy ratios are exactly 1.
-    agent = IMPALA(SPEC, IMPALAConfig(use_lstm=True, lstm_size=8, hidden_sizes=(8,)))
+    # One minibatch: the loss sees every env row (the LSTM default splits them in 4).
+    agent = IMPALA(SPEC, IMPALAConfig(use_lstm=True, lstm_size=8, hidden_sizes=(8,),
+                                      num_minibatches=1))
     nets = agent.new_networks(jax.random.key(0))
     num_envs, t_len = 3, 6
     obs = jax.random.normal(jax.random.key(1), (num_envs, t_len + 1, 4))
@@ -199,9 +203,10 @@ def test_minibatches_split_the_rows_afresh_and_each_pass_visits_every_row_once()
 def test_targets_fixed_as_the_shard_arrives_are_those_one_step_computes():
     # Several steps per shard learn towards targets computed once, from the networks the
     # shard met; from the same networks they are exactly what a single step computes.
-    one_step = IMPALA(SPEC, IMPALAConfig(use_lstm=True, lstm_size=8, hidden_sizes=(8,)))
-    two_epochs = IMPALA(SPEC, IMPALAConfig(use_lstm=True, lstm_size=8, hidden_sizes=(8,),
-                                           num_epochs=2))
+    small = {"use_lstm": True, "lstm_size": 8, "hidden_sizes": (8,),
+             "normalize_advantages": "off"}
+    one_step = IMPALA(SPEC, IMPALAConfig(**small, num_minibatches=1, num_epochs=1))
+    two_epochs = IMPALA(SPEC, IMPALAConfig(**small, num_minibatches=1, num_epochs=2))
     nets = one_step.new_networks(jax.random.key(0))
     rewards = np.arange(4.0)[:, None]
     single, (_, metrics) = one_step.loss(nets, (), _experience(one_step, nets, rewards))
@@ -223,19 +228,25 @@ def test_minibatches_that_do_not_divide_the_rows_are_refused():
 
 
 @pytest.mark.timeout(60)
-def test_later_steps_clip_the_policys_drift_from_the_targets_policy():
-    # Past 1 + ratio_clip a positive advantage no longer pulls the policy further.
+def test_several_steps_clip_the_policys_drift_from_the_policy_that_acted():
+    # Past 1 + ratio_clip a positive advantage no longer pulls the policy further, however
+    # the drift from the behaviour policy mu arose (lag or earlier steps on the shard).
+    # Raw advantages: standardized, some would turn negative, which the clip leaves be.
     agent = IMPALA(SPEC, IMPALAConfig(num_epochs=2, ratio_clip=0.2, entropy_cost=0.0,
-                                      baseline_cost=0.0))
+                                      baseline_cost=0.0, normalize_advantages="off"))
     nets = agent.new_networks(jax.random.key(0))
     experience = _experience(agent, nets, 1.0)
     advantage = np.asarray(experience.targets.advantage)
     assert (advantage > 0).all()
 
     def pg_grad_norm(log_prob_shift):
-        # As if the policy had moved since the targets: pi / pi_0 = exp(shift).
-        moved = experience._replace(targets=experience.targets._replace(
-            log_prob=experience.targets.log_prob - log_prob_shift))
+        # As if mu had given the actions exp(-shift) times pi's probability: pi / mu =
+        # exp(shift).
+        outputs = experience.latest.trajectory.actor_outputs
+        behaviour = {"log_prob": outputs.extras["log_prob"] - log_prob_shift}
+        moved = experience._replace(latest=experience.latest._replace(
+            trajectory=experience.latest.trajectory._replace(
+                actor_outputs=outputs._replace(extras=behaviour))))
         grads = jax.grad(lambda n: agent.loss(n, (), moved)[0])(nets)
         return float(optax.tree.norm(grads))
 

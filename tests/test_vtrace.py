@@ -129,6 +129,9 @@ def test_matches_the_papers_sum_on_random_trajectories(rho_bar, c_bar, lambda_):
         vs, pg = reference_vtrace(rho[e], reward[e], value[e], 0.95, rho_bar, c_bar, lambda_)
         np.testing.assert_allclose(np.asarray(out.vs[e]), vs, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(out.pg_advantage[e]), pg, rtol=1e-4, atol=1e-5)
+        # The uncorrected advantage is the policy gradient's before its clipped ratio.
+        np.testing.assert_allclose(np.minimum(rho_bar, rho[e]) * np.asarray(out.advantage[e]),
+                                   pg, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(60)

@@ -35,11 +35,14 @@ class VTraceOutput(NamedTuple):
       pg_advantage: rho_pg_t (r_{t+1} + gamma v_{t+1} - V(x_t)), the policy gradient's
         weight of log pi(a_t | x_t), with rho_pg clipped at `pg_rho_bar`.
       rho: the unclipped importance ratios pi / mu (for metrics).
+      advantage: r_{t+1} + gamma v_{t+1} - V(x_t), pg_advantage before its ratio (for
+        an objective that corrects for mu itself, e.g. PPO's clipped pi / mu).
     """
 
     vs: jax.Array
     pg_advantage: jax.Array
     rho: jax.Array
+    advantage: jax.Array
 
 
 def vtrace(
@@ -98,7 +101,7 @@ def vtrace(
     # v_{t+1}: 0 after a termination; V(x_{t+1}) at a truncation or the trajectory's end
     # (their correction is 0); the V-trace target otherwise.
     vs_next = jnp.where(terminated[1:], 0.0, jnp.concatenate([vs[1:], value[-1:]]))
-    pg_advantage = jnp.minimum(pg_rho_bar, rho) * (
-        reward[1:] + discount * vs_next - value[:-1])
-    pg_advantage = jnp.where(last, 0.0, pg_advantage)  # an ignored action learns nothing
-    return VTraceOutput(vs=vs, pg_advantage=pg_advantage, rho=rho)
+    # An ignored action learns nothing.
+    advantage = jnp.where(last, 0.0, reward[1:] + discount * vs_next - value[:-1])
+    pg_advantage = jnp.minimum(pg_rho_bar, rho) * advantage
+    return VTraceOutput(vs=vs, pg_advantage=pg_advantage, rho=rho, advantage=advantage)
