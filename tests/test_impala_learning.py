@@ -56,8 +56,9 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     # with probability 1/2 whatever it learns: its expected return is exactly 0.5 (the
     # last 10% of 120k steps holds ~1,500 episodes: a standard error of ~0.013). The LSTM
     # must carry the cue over 6 steps.
-    # Measured last-10% means at 120k, LSTM: 0.993, 0.993, 0.995; feed-forward: 0.492,
-    # 0.484, 0.504 (seeds 0, 1, 2); ~20-40 s per run on 2 shared cores.
+    # Measured last-10% means at 120k, LSTM (2026-11-25's defaults, 4 x 4 steps per
+    # shard): 0.999, 1.0, 0.999; feed-forward: 0.492, 0.484, 0.504 (seeds 0, 1, 2);
+    # ~20-80 s per run on 2 shared cores.
     env, kwargs = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 5}
     lstm = train(env, 120_000, seed=0, env_kwargs=kwargs,
                  agent_config=IMPALAConfig(use_lstm=True, hidden_sizes=(64,)))
