@@ -229,8 +229,9 @@ def test_shared_policy_ppo_learns_distinct_roles_only_when_it_sees_agent_ids(no_
 def test_shared_policy_lstm_ppo_and_impala_learn_role_call(seed):
     """With agent ids, >= 0.9 of the optimum: PPO and IMPALA, feed-forward and LSTM.
     IMPALA's LSTM stayed at chance here (0.335) with its old defaults (a shared core, raw
-    rewards), as on issue 13's RepeatFirst; with today's it reached 0.993 (seed 1, 1M,
-    2026-11-24), a task its defaults were not tuned on. Figures: RESULTS.md,
+    rewards), as on issue 13's RepeatFirst; with a value core of its own and scaled
+    rewards it reached 0.993 (seed 1, 1M, 2026-11-24), and 0.982 with 2026-11-25's 4 x 4
+    steps per shard, a task its defaults were not tuned on. Figures: RESULTS.md,
     "Multi-agent"."""
     for use_lstm in (False, True):
         cfg = dataclasses.replace(ROLE_PPO, use_lstm=use_lstm)
