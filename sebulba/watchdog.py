@@ -137,6 +137,11 @@ class ProgressWatchdog:
                 self._publish()
             verdict = self._verdict()
             if verdict is not None:  # a peer found the stall first: end with its words
+                if self.process_index == 0:
+                    # This process hosts the coordination service: the publisher waits
+                    # two polls before it goes, and its JAX client aborts (not exit code
+                    # EXIT_CODE) if the service goes first.
+                    self._closed.wait(3 * period)
                 self._on_stall(f"{verdict} (process {self.process_index} ends too)")
                 return
             timeout = self.timeout_s if self._started else self.first_update_s
