@@ -232,15 +232,15 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
 
     def new_experience_state(self, nets: Nets, key: jax.Array,
                              layout: sebulba.Layout) -> IMPALAExperience:
-        rows, m = layout.envs_per_update_shard, self.config.num_minibatches
-        group = self.central_agents
-        if (rows // group) % m:
+        m, k = self.config.num_minibatches, self.central_agents
+        units = layout.envs_per_update_shard // k  # what a minibatch takes whole
+        if units % m:
+            what = (f"envs (of {k} agent rows each, for the centralized value)" if k > 1
+                    else "env rows")
             raise ValueError(
-                f"num_minibatches={m} must divide the {rows // group} "
-                + ("envs (of " + str(group) + " agent rows each, for the centralized value) "
-                   if group > 1 else "env rows ")
-                + "of each learner device's update shard (trajectories_per_update x "
-                "envs_per_group x agents per env / learner devices)")
+                f"num_minibatches={m} must divide the {units} {what} of each learner "
+                "device's update shard (trajectories_per_update x envs_per_group x agents "
+                "per env / learner devices)")
         latest = policy.zeros_latest_trajectory(self, nets, layout)
         return self._experience(latest, _zero_targets(latest.trajectory), key)
 
