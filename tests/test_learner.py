@@ -97,9 +97,12 @@ def test_actors_see_what_acting_nets_publishes_with_the_learner_updates(no_lefto
                                                                      on_update=on_update)
     assert [(v, u) for v, u, _ in published] == [(v, v) for v in range(1, 31)]
     assert all(keys == {"w", "updates"} for _, _, keys in published)
-    # Each env group acted last with networks published at most a few updates ago.
+    # Each env group acted last with a published update count (a whole number the learner
+    # reached, not the initial 0), a few updates behind; a thread starved by a loaded
+    # machine can fall further behind (CI saw 8), hence the same loose bound as above.
     seen = np.asarray(result.state.step_state.last_id)
-    assert seen.min() >= 30 - 2 * 2 - 2 and seen.max() <= 30
+    assert (seen == np.round(seen)).all() and seen.max() <= 30
+    assert seen.min() >= 30 - 4 * (2 * 2 + 2)
 
 
 class NeverReady(CountingAgent):
