@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks
+from agents.common import networks, normalization
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
 from sebulba import observations, target_network
@@ -132,7 +132,7 @@ class R2D2Config:
     sequence_length: int = 80
     sequence_overlap: int = 40
     burn_in: int = 40
-    n_step: int = 5
+    n_step: int = 3
     discount: float = 0.997
     value_rescaling: bool = True
     value_rescaling_eps: float = 1e-3
@@ -149,6 +149,8 @@ class R2D2Config:
     priority_eta: float = 0.9
     epsilon_base: float = 0.4
     epsilon_alpha: float = 7.0
+    shared_core: bool = False
+    normalize_rewards: bool = True
 
     def __post_init__(self):
         _check_int("lstm_size", self.lstm_size, low=0)
@@ -219,9 +221,18 @@ def q_network(num_actions: int, observation_space: gym.Space, config: R2D2Config
     resetting LSTM core (or, without use_lstm, one more ReLU layer of `lstm_size` in the
     torso), dueling Q head: (state, obs [B, T, ...], first [B, T]) -> Q [B, T, A]."""
     sizes = tuple(config.torso_sizes) + (() if config.use_lstm else (config.lstm_size,))
+    twin = (config.use_lstm and not config.shared_core
+            and observations.kind(observation_space) != observations.IMAGE)
     torso = networks.torso_for(observation_space, sizes, "relu")
-    core = networks.core_for(config.lstm_size if config.use_lstm else 0)
-    return networks.Unroll(torso, core, networks.DuelingQHead(num_actions, config.head_sizes))
+    if twin:
+        torso = networks.TwinTorso(torso, networks.torso_for(observation_space, sizes, "relu"))
+    if config.use_lstm:
+        core = networks.TwinLSTMCore(config.lstm_size) if twin else networks.LSTMCore(
+            config.lstm_size)
+    else:
+        core = networks.NoCore()
+    return networks.Unroll(torso, core, networks.DuelingQHead(num_actions, config.head_sizes,
+                                                              twin=twin))
 
 
 # State.
@@ -256,6 +267,7 @@ class PendingSteps(NamedTuple):
 class R2D2Experience(NamedTuple):
     replay: rp.Replay  # items: Sequence
     pending: PendingSteps
+    reward_moments: dict  # running moments of the rewards received (normalization)
     envs_per_group: jax.Array  # int32 scalar, E of the layout (to find an env's slot)
     envs_per_shard: jax.Array  # int32 scalar, E / D: rows of one trajectory on a device
     key: jax.Array  # typed PRNG key for sampling
@@ -341,6 +353,7 @@ class R2D2(sebulba.Agent):
             replay=rp.new_replay(item, cfg.replay_capacity,
                                  priority_exponent=cfg.priority_exponent),
             pending=pending,
+            reward_moments=normalization.new_moments(()),
             envs_per_group=jnp.asarray(layout.envs_per_group, jnp.int32),
             envs_per_shard=jnp.asarray(rows, jnp.int32),
             key=key,
@@ -388,6 +401,11 @@ class R2D2(sebulba.Agent):
         one env (several cycles of one group in one update) are applied in row order:
         pass r handles each env's r-th row, so it sees what the env's previous row left.
         """
+        # Entry 0 of a trajectory is the previous one's last step: counted there. A reset
+        # step's reward (0) follows no action and is not counted.
+        new = jax.tree.map(lambda x: x[:, 1:], trajectory.env_steps)
+        experience = experience._replace(reward_moments=normalization.merged(
+            experience.reward_moments, new.reward, 2, valid=~new.first))
         index = initial_step_state.env_index  # [B]
         e, rows = experience.envs_per_group, experience.envs_per_shard
         slot = (index // e) * rows + (index % e) % rows  # [B]
@@ -449,8 +467,9 @@ class R2D2(sebulba.Agent):
 
     # Learning.
 
-    def sequence_losses(self, nets: Nets, sequences: Sequence) -> tuple[jax.Array, jax.Array,
-                                                                       Metrics]:
+    def sequence_losses(self, nets: Nets, sequences: Sequence,
+                        reward_scale: jax.Array | float = 1.0
+                        ) -> tuple[jax.Array, jax.Array, Metrics]:
         """Per-sequence losses [b] and priorities [b] of sequences with leaves [b, ...].
 
         The online network runs the burn-in from the stored state under stop_gradient,
@@ -476,7 +495,8 @@ class R2D2(sebulba.Agent):
             bootstrap = unrescale(bootstrap, cfg.value_rescaling_eps)
         tail = jax.tree.map(lambda x: x[:, burn:], steps)
         returns = jax.vmap(n_step_returns, in_axes=(0, 0, 0, 0, None, None))(
-            tail.reward, bootstrap, tail.terminated, tail.truncated, cfg.discount, cfg.n_step)
+            tail.reward * reward_scale, bootstrap, tail.terminated, tail.truncated,
+            cfg.discount, cfg.n_step)
         if cfg.value_rescaling:
             returns = rescale(returns, cfg.value_rescaling_eps)
         taken = jnp.take_along_axis(q[:, :-1], sequences.action[:, burn:, None], axis=-1)[..., 0]
@@ -501,16 +521,27 @@ class R2D2(sebulba.Agent):
         replay = experience.replay
         batch = rp.sample(replay, _per_learner_device(sample_key), cfg.batch_size,
                           cfg.importance_exponent)
-        losses, priorities, metrics = self.sequence_losses(nets, batch.items)
+        reward_scale = self.reward_scale(experience)
+        losses, priorities, metrics = self.sequence_losses(nets, batch.items, reward_scale)
         loss = jnp.mean(batch.weights * losses)
         replay = rp.update_priorities(replay, batch.indices, priorities)
         metrics = {
             **metrics,
             "replay_size": replay.size.astype(jnp.float32),
+            "reward_scale": reward_scale,
             "priority_mean": jnp.mean(priorities),
             "importance_weight_mean": jnp.mean(batch.weights),
         }
         return loss, (experience._replace(replay=replay, key=key), metrics)
+
+    def reward_scale(self, experience: R2D2Experience) -> jax.Array:
+        """What rewards are multiplied by for learning: with `normalize_rewards`, one over
+        the running root mean square of the rewards received (1 before any)."""
+        if not self.config.normalize_rewards:
+            return jnp.ones((), jnp.float32)
+        m = experience.reward_moments
+        rms = jnp.sqrt(m["var"] + jnp.square(m["mean"]))
+        return 1.0 / jnp.maximum(rms, 1e-8)
 
     def ready_to_learn(self, experience: R2D2Experience) -> jax.Array:
         """Learning starts once the replay holds `min_replay_size` sequences."""

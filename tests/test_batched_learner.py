@@ -271,8 +271,8 @@ def test_r2d2_joined_trajectories_fill_each_envs_own_slot_in_order(length):
         stream = groups[g][1]
         # Which sequence of this env: rows of the same env are inserted in time order.
         start = sum(int(replay.items.env_index[p]) == env for p in range(i)) * T
-        np.testing.assert_array_equal(item.core.hidden, stream["core"][start].hidden[row])
-        np.testing.assert_array_equal(item.core.cell, stream["core"][start].cell[row])
+        jax.tree.map(lambda got, want, r=row: np.testing.assert_array_equal(got, want[r]),
+                     item.core, stream["core"][start])
         obs = np.stack([s.obs[row] for s in stream["steps"][start:start + length]])
         np.testing.assert_array_equal(item.env_steps.obs[:length], obs)
         actions = np.array([a[row] for a in stream["actions"][start:start + length]])

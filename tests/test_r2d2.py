@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import sebulba
-from agents.common.recurrent import initial_lstm_state
 from agents.common.value_rescaling import rescale
-from agents.r2d2 import R2D2, R2D2Config, Sequence, n_step_returns
+from agents.r2d2 import R2D2, R2D2Config, Sequence, n_step_returns, q_network
 from sebulba import memory_envs
 from sebulba.experience import replay as rp
 from sebulba.learner import optimizer_step, per_learner_device
@@ -41,8 +40,10 @@ def random_sequences(key, num: int, cfg: R2D2Config, first_rate: float = 0.1) ->
         obs=jax.random.normal(k[2], (num, L + 1, OBS_DIM)),
         reward=jnp.where(first, 0.0, jax.random.normal(k[3], (num, L + 1))),
         terminated=terminated, truncated=last & ~terminated, first=first)
+    network = q_network(NUM_ACTIONS, SPEC.observation_space,
+                        cfg.resolved(SPEC.observation_space))
     lstm = jax.tree.map(lambda x: 0.5 * jax.random.normal(k[4], x.shape),
-                        initial_lstm_state(num, H))
+                        network.initial_state(num))
     return Sequence(steps, jax.random.randint(k[5], (num, L), 0, NUM_ACTIONS), lstm,
                     jnp.zeros((num,), jnp.int32))
 
@@ -195,8 +196,8 @@ def test_sequences_hold_the_actors_states_and_steps(length):
         # Which sequence of this env: rows of the same env are inserted in time order.
         j = sum(int(replay.items.env_index[p]) == env for p in range(i))
         start = j * T
-        np.testing.assert_array_equal(item.core.hidden, stream["core"][start].hidden[row])
-        np.testing.assert_array_equal(item.core.cell, stream["core"][start].cell[row])
+        jax.tree.map(lambda got, want, r=row: np.testing.assert_array_equal(got, want[r]),
+                     item.core, stream["core"][start])
         obs = np.stack([s.obs[row] for s in stream["steps"][start:start + length]])
         np.testing.assert_array_equal(item.env_steps.obs[:length], obs)
         first = np.array([s.first[row] for s in stream["steps"][start:start + length]])
@@ -224,7 +225,12 @@ def test_burn_in_steps_contribute_zero_gradient():
             return jnp.mean(losses)
 
         g = jax.jit(jax.grad(loss))(nets.online)
-        return np.asarray(g["params"]["torso"]["Dense_0"]["kernel"])
+        # The first layer of each torso (the advantage's and the value's), side by side.
+        kernels = [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(g)
+                   if "torso" in jax.tree_util.keystr(path)
+                   and jax.tree_util.keystr(path).endswith("['Dense_0']['kernel']")]
+        assert len(kernels) == 2
+        return np.concatenate(kernels, axis=1)
 
     kernel_grad = grads(burn_in=3)
     np.testing.assert_array_equal(kernel_grad[0], 0.0)
@@ -265,7 +271,7 @@ def test_state_resets_where_an_episode_starts_inside_a_sequence():
     carried = state._replace(core=jax.tree.map(lambda x: x + 2.0, state.core))
     a, s_a = agent.greedy_step(state, nets.online, env_step)
     b, s_b = agent.greedy_step(carried, nets.online, env_step)
-    np.testing.assert_allclose(s_a.core.hidden, s_b.core.hidden, rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), s_a.core, s_b.core)
 
 
 @pytest.mark.timeout(240)
@@ -385,8 +391,8 @@ def check_stored_sequences(agent: R2D2, result, E: int, T: int) -> list[tuple[in
                                   jax.tree.map(lambda x: x[None], seq_a.core),
                                   seq_a.env_steps.obs[None, :T],
                                   seq_a.env_steps.first[None, :T])
-                np.testing.assert_allclose(state.hidden[0], seq_b.core.hidden, atol=1e-5)
-                np.testing.assert_allclose(state.cell[0], seq_b.core.cell, atol=1e-5)
+                jax.tree.map(lambda x, y: np.testing.assert_allclose(x[0], y, atol=1e-5),
+                             state, seq_b.core)
                 checked += 1
         checks.append((size, checked))
     return checks

@@ -207,13 +207,15 @@ class DuelingQHead(nn.Module):
 
     num_actions: int
     hidden_sizes: Sequence[int] = ()
+    twin: bool = False  # advantage from the first half of x, value from the second
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         sizes = tuple(self.hidden_sizes)
-        value = MLP(sizes + (1,), "relu", activate_final=False, name="value")(x)
+        advantage_x, value_x = jnp.split(x, 2, axis=-1) if self.twin else (x, x)
+        value = MLP(sizes + (1,), "relu", activate_final=False, name="value")(value_x)
         advantage = MLP(sizes + (self.num_actions,), "relu", activate_final=False,
-                        name="advantage")(x)
+                        name="advantage")(advantage_x)
         return value + advantage - jnp.mean(advantage, axis=-1, keepdims=True)
 
 

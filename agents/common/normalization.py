@@ -57,6 +57,22 @@ def new_reward_moments() -> dict[str, jax.Array]:
     return new_moments(())
 
 
+def _learner_sum(x: jax.Array) -> jax.Array:
+    """`x` summed over the learner devices of every process; `x` itself outside the
+    learner's shard_map (a direct call, as in unit tests)."""
+    try:
+        return jax.lax.psum(x, LEARNER_AXIS)
+    except NameError:
+        return x
+
+
+def merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
+           valid: jax.Array | None = None) -> dict[str, jax.Array]:
+    """`moments` (`new_moments`) with the entries of `x` over its first `batch_axes` axes
+    added, those of every learner device (where `valid`, bool of x's batch shape)."""
+    return _merged(moments, x, batch_axes, valid)
+
+
 def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
             valid: jax.Array | None = None) -> dict[str, jax.Array]:
     """`moments` with the entries of `x` over its first `batch_axes` axes (on every learner
@@ -65,10 +81,10 @@ def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
     if valid is None:
         valid = jnp.ones(x.shape[:batch_axes], bool)
     w = valid.astype(jnp.float32).reshape(valid.shape + (1,) * (x.ndim - batch_axes))
-    total = jax.lax.psum(jnp.sum(w), LEARNER_AXIS)
+    total = _learner_sum(jnp.sum(w))
     safe_total = jnp.maximum(total, 1.0)
-    mean = jax.lax.psum(jnp.sum(w * x, axis=axes), LEARNER_AXIS) / safe_total
-    m2 = jax.lax.psum(jnp.sum(w * jnp.square(x - mean), axis=axes), LEARNER_AXIS)
+    mean = _learner_sum(jnp.sum(w * x, axis=axes)) / safe_total
+    m2 = _learner_sum(jnp.sum(w * jnp.square(x - mean), axis=axes))
     n = moments["count"]
     new_count = n + total
     safe_count = jnp.maximum(new_count, 1.0)
