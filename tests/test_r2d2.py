@@ -411,3 +411,102 @@ def test_value_rescaling_is_applied_to_targets():
         nets = agent.new_networks(jax.random.key(0))
         _, _, metrics = jax.jit(agent.sequence_losses)(nets, seqs)
         assert float(metrics["abs_td"]) == pytest.approx(target, abs=2.0)
+
+
+@pytest.mark.timeout(240)
+def test_rewards_are_learnt_in_units_of_their_running_rms():
+    """With `normalize_rewards` the targets do not depend on the rewards' scale: a task
+    paying 1/46 a step is learnt as one paying 1 (at 1/46 R2D2 stalled at half the
+    optimum of RepeatPrevious-v0; benchmarks/RESULTS.md)."""
+    E, T = 4, 4
+    layout = sebulba.Layout(envs_per_group=E, num_groups=1, steps_per_cycle=T,
+                            num_learner_devices=1)
+    reward = jax.random.uniform(jax.random.key(3), (E, T + 1), minval=-1.0, maxval=2.0)
+    first = jnp.zeros((E, T + 1), bool).at[1, 2].set(True)  # a reset step: not counted
+
+    def received(agent, scale):
+        nets = agent.new_networks(jax.random.key(0))
+        state = agent.new_state(nets, jax.random.key(1), layout)
+        traj = sebulba.zeros_trajectory(agent, nets, E, T)
+        traj = traj._replace(env_steps=traj.env_steps._replace(
+            reward=jnp.where(first, 0.0, scale * reward), first=first))
+        experience = jax.jit(agent.update_experience)(state.experience, state.step_state,
+                                                      None, traj, nets)
+        return float(agent.reward_scale(experience))
+
+    agent = R2D2(SPEC, small_config(sequence_length=8, sequence_overlap=4))
+    counted = np.asarray(reward)[:, 1:][~np.asarray(first)[:, 1:]]  # entry 0: the last cycle's
+    rms = np.sqrt(np.mean(counted**2))
+    np.testing.assert_allclose(received(agent, 1.0), 1.0 / rms, rtol=1e-5)
+    np.testing.assert_allclose(received(agent, 1 / 46), 46.0 / rms, rtol=1e-5)
+    off = R2D2(SPEC, small_config(sequence_length=8, sequence_overlap=4,
+                                  normalize_rewards=False))
+    assert received(off, 1 / 46) == 1.0
+
+    # The same sequences with rewards c times larger give the same losses at 1/c the scale.
+    cfg = small_config(value_rescaling=False)
+    agent = R2D2(SPEC, cfg)
+    nets = agent.new_networks(jax.random.key(0))
+    seqs = random_sequences(jax.random.key(1), 4, cfg)
+    big = seqs._replace(env_steps=seqs.env_steps._replace(reward=46.0 * seqs.env_steps.reward))
+    nets = nets._replace(target=jax.tree.map(jnp.zeros_like, nets.target))  # bootstrap 0
+    small_losses, _, _ = agent.sequence_losses(nets, seqs, 1.0)
+    big_losses, _, _ = agent.sequence_losses(nets, big, 1 / 46)
+    np.testing.assert_allclose(small_losses, big_losses, rtol=1e-4)
+    assert not np.allclose(small_losses, agent.sequence_losses(nets, big, 1.0)[0])
+
+
+def _perturbed(params, key: jax.Array, where) -> object:
+    """`params` with noise added to the leaves whose path satisfies `where`."""
+    def leaf(path, x):
+        if not where(jax.tree_util.keystr(path)):
+            return x
+        return x + 0.5 * jax.random.normal(key, x.shape)
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+@pytest.mark.timeout(240)
+def test_the_value_stream_has_its_own_torso_and_lstm():
+    """V (the mean of Q over actions) reads only the value's torso, LSTM and head; the
+    advantages (Q less its mean) only their own: the value's fit to the return-to-go does
+    not reshape the memory the advantages need. Frames keep one Nature CNN and LSTM."""
+    agent = R2D2(SPEC, small_config())
+    params = agent.new_networks(jax.random.key(0)).online
+    obs = jax.random.normal(jax.random.key(1), (3, 6, OBS_DIM))
+    first = jnp.zeros((3, 6), bool).at[:, 0].set(True)
+
+    def split_q(p):
+        _, q = agent.network.apply(p, agent.network.initial_state(3), obs, first)
+        value = jnp.mean(q, axis=-1)
+        return np.asarray(value), np.asarray(q - value[..., None])
+
+    value, advantage = split_q(params)
+
+    def is_value(path):
+        return "'value" in path  # the value torso, value_lstm, the head's value MLP
+
+    value_moved, advantage_kept = split_q(_perturbed(params, jax.random.key(2), is_value))
+    np.testing.assert_allclose(advantage_kept, advantage, atol=1e-6)
+    assert np.abs(value_moved - value).max() > 1e-3
+    value_kept, advantage_moved = split_q(
+        _perturbed(params, jax.random.key(3), lambda path: not is_value(path)))
+    np.testing.assert_allclose(value_kept, value, atol=1e-6)
+    assert np.abs(advantage_moved - advantage).max() > 1e-3
+    # Memory reaches both streams: an earlier observation changes each.
+    later = obs.at[:, 0].add(1.0)
+    _, q_later = agent.network.apply(params, agent.network.initial_state(3), later, first)
+    q_now = agent.network.apply(params, agent.network.initial_state(3), obs, first)[1]
+    assert np.abs(np.asarray(jnp.mean(q_later - q_now, -1))[:, -1]).max() > 1e-6
+
+    def paths(spec, config):
+        params = jax.eval_shape(R2D2(spec, config).new_networks, jax.random.key(0)).online
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+
+    assert any("value_lstm" in p for p in paths(SPEC, small_config()))
+    shared = paths(SPEC, small_config(shared_core=True))
+    assert not any("value_lstm" in p for p in shared) and any("lstm" in p for p in shared)
+    frames = sebulba.EnvSpec(gym.spaces.Box(0, 255, (84, 84, 4), np.uint8),
+                             gym.spaces.Discrete(NUM_ACTIONS))
+    frame_paths = paths(frames, small_config())
+    assert not any("value_lstm" in p for p in frame_paths)
+    assert any("lstm" in p for p in frame_paths)
