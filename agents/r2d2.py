@@ -81,8 +81,8 @@ class R2D2Config:
     priorities and exploration; 3-step returns (Rainbow's n; the paper's 5 learnt
     RepeatPrevious-v0 more slowly, 0.86 at 1M on seed 0); dueling streams with a torso
     and an LSTM each, and rewards learnt in units of their running RMS (with both,
-    RepeatPrevious-v0 went from 0.44 to 0.89-0.94 on three seeds); a learner sized for such budgets
-    (two learner steps of 32 sequences per trajectory, a target copy every 100 learner
+    RepeatPrevious-v0 went from 0.44 to 0.91-0.94 on three seeds); a learner sized for
+    such budgets (two learner steps of 32 sequences per trajectory, a target copy every 100 learner
     steps, learning from 500 sequences on, Adam at 5e-4 with epsilon 1e-6) where the
     paper's (one step of 64, 2,500 steps, 1e-4, epsilon 1e-3) are sized for billions
     of frames: with them 1M steps make 1,560 learner steps, none of which copies the

@@ -153,7 +153,7 @@ def test_moments_merge_batches_as_numpy_computes_them():
 
     @jax.jit
     def merge(moments, x):  # x [2, E, T, 3]: each of 2 learner devices gets [E, T, 3]
-        return jax.shard_map(lambda m, x: normalization._merged(m, x[0], 2), mesh=mesh,
+        return jax.shard_map(lambda m, x: normalization.merged(m, x[0], 2), mesh=mesh,
                              in_specs=(jax.sharding.PartitionSpec(), spec),
                              out_specs=jax.sharding.PartitionSpec())(moments, x)
 
@@ -170,7 +170,7 @@ def test_moments_merge_batches_as_numpy_computes_them():
 
     @jax.jit
     def merge_valid(moments, x, valid):
-        return jax.shard_map(lambda m, x, v: normalization._merged(m, x[0], 2, v[0]),
+        return jax.shard_map(lambda m, x, v: normalization.merged(m, x[0], 2, v[0]),
                              mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec, spec),
                              out_specs=jax.sharding.PartitionSpec())(moments, x, valid)
 

@@ -68,13 +68,6 @@ def _learner_sum(x: jax.Array) -> jax.Array:
 
 def merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
            valid: jax.Array | None = None) -> dict[str, jax.Array]:
-    """`moments` (`new_moments`) with the entries of `x` over its first `batch_axes` axes
-    added, those of every learner device (where `valid`, bool of x's batch shape)."""
-    return _merged(moments, x, batch_axes, valid)
-
-
-def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
-            valid: jax.Array | None = None) -> dict[str, jax.Array]:
     """`moments` with the entries of `x` over its first `batch_axes` axes (on every learner
     device of every process) added; with `valid` (bool, x's batch shape) only those."""
     axes = tuple(range(batch_axes))
@@ -91,9 +84,10 @@ def _merged(moments: dict[str, jax.Array], x: jax.Array, batch_axes: int,
     delta = mean - moments["mean"]
     new_mean = moments["mean"] + delta * total / safe_count
     new_m2 = moments["var"] * n + m2 + jnp.square(delta) * n * total / safe_count
-    merged = {"count": new_count, "mean": new_mean, "var": new_m2 / safe_count}
+    combined = {"count": new_count, "mean": new_mean, "var": new_m2 / safe_count}
     # a batch with no valid entry changes nothing
-    return jax.tree.map(lambda new, old: jnp.where(total > 0, new, old), merged, moments)
+    return jax.tree.map(lambda new, old: jnp.where(total > 0, new, old), combined,
+                        moments)
 
 
 def update(nets: Any, obs: jax.Array, returns: jax.Array | None,
@@ -109,13 +103,13 @@ def update(nets: Any, obs: jax.Array, returns: jax.Array | None,
 
     def merge_observations(tree):
         if isinstance(tree, dict) and set(tree) == {"count", "mean", "var"}:
-            return _merged(tree, obs.astype(jnp.float32), 2, valid)
+            return merged(tree, obs.astype(jnp.float32), 2, valid)
         return {k: merge_observations(v) for k, v in tree.items()}
 
     for name, tree in stats.items():
         if name == "reward":
             if returns is not None:
-                stats[name] = _merged(tree, returns.astype(jnp.float32), 2, valid)
+                stats[name] = merged(tree, returns.astype(jnp.float32), 2, valid)
         else:
             stats[name] = merge_observations(tree)
     return {**nets, COLLECTION: stats}
