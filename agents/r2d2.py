@@ -38,6 +38,9 @@ How it fits the Sebulba loop:
   largest priority seen, priorities are eta max|td| + (1 - eta) mean|td| over the
   learnt steps and are written back by `loss`, which returns the updated experience.
   Each learner device samples `batch_size` sequences with its own key.
+- Reward scale: with `normalize_rewards` the experience keeps the running moments of
+  the rewards received (`normalization.merged`, over every learner device) and the loss
+  learns from rewards divided by their RMS; acting never sees them.
 - Warm-up: `ready_to_learn` is False until every learner device's replay holds
   `min_replay_size` sequences; until then the learner skips the optimizer steps
   entirely (Adam's moments and count, the step counter and the target copy stay where

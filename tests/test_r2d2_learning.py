@@ -73,7 +73,7 @@ def test_r2d2_defaults_repeat_the_symbol_shown_four_steps_back(no_leftovers):
     and the feed-forward twin at chance. Measured 2026-11-25 in the memory suite's loop
     (1M steps; the last 10% over the optimum): seeds 0, 1, 2 at 0.94, 0.93, 0.91, at 0.8
     by 700k to 850k; the twin 0.25. Before the value got its own core and the rewards
-    their scale, 0.44. About 6 minutes a run on 2 cores."""
+    their scale, 0.44. This test and the CartPole one took 296 s together on 2 cores."""
     task = memory_envs.REPEAT_PREVIOUS
     recurrent = run(task, {}, R2D2Config(), 1_000_000, seed=1)
     assert recurrent.mean_return(0.9, 1.0) >= 0.8, recurrent.summary()
