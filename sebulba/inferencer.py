@@ -158,6 +158,11 @@ class _Cycle:
                 buf[rows, t] = x if mask is None else x[mask]
 
 
+def _write_outputs(record: _Cycle, t: int, action: np.ndarray, extras) -> None:
+    """Records a step's action and extras (fetched now: ready since the step's call)."""
+    record.write_output(None, t, ActorOutput(action, jax.tree.map(np.asarray, extras)), None)
+
+
 class EnvGroupRunner:
     """The body of one inferencer thread: one env source, its groups' cycles."""
 
@@ -224,16 +229,19 @@ class EnvGroupRunner:
     def _run_in_order(self) -> None:
         """A vector env: every env, in id order, every step, so one cursor serves all.
 
-        Per step: recv, dispatch the acting call, write the env step into the cycle's host
-        buffers while the device computes, fetch the outputs, write them, send. The cycle's
-        final StepState is the one its bootstrap step starts from, sharded once and reused
-        as the next cycle's initial StepState.
+        Between one env step and the next only: recv, dispatch the acting call, fetch the
+        action, send. The rest runs while the device computes (JAX dispatches
+        asynchronously): writing the env step into the cycle's host buffers, fetching and
+        writing the previous step's extras (ready by then), and pushing a finished cycle.
+        A cycle's final StepState is the one its bootstrap step starts from, sharded once
+        and reused as the next cycle's initial StepState.
         """
         source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
         clock = StageClock()
         source.reset(seed=self.seed)
         initial = agent.shard_step_state(self.state.step_state, self.learner_devices)
         record: _Cycle | None = None
+        unwritten = None  # (cycle, t, action, extras) of the last step, not yet recorded
         t = c = 0  # the cursor in cycle c
         teams = getattr(source, "pop_team_episodes", None)  # a multi-agent source
         padded = 0
@@ -246,13 +254,19 @@ class EnvGroupRunner:
                 self.accounting.add_team_episodes(padding - padded, teams())
                 padded = padding
             clock.lap("env_step")
-            if t == steps:  # entry T of cycle c: push it, then start c + 1 from here
+            ending = None  # a cycle that ended at this step, pushed once it is recorded
+            if t == steps:  # entry T of cycle c: it ends here, and c + 1 starts from here
                 record.write_env_step(None, steps, env_step, None)
+                # Sharded before the acting call donates the step state.
                 final = agent.shard_step_state(self.state.step_state, self.learner_devices)
-                if not self._push(0, record, initial, final, clock):
-                    return
-                clock.flush_into(self.accounting)
-                initial, record, t, c = final, None, 0, c + 1
+                ending, record, t, c = record, None, 0, c + 1
+                if self._push_before_acting():
+                    _write_outputs(*unwritten)
+                    unwritten = None
+                    if not self._push(0, ending, initial, final, clock):
+                        return
+                    clock.flush_into(self.accounting)
+                    initial, ending = final, None
             if record is None:  # a cycle starts with the latest networks
                 if self.lockstep is not None:
                     if not self._wait_for_networks(c):
@@ -263,14 +277,27 @@ class EnvGroupRunner:
             output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
             self.state = self.state._replace(step_state=step_state)
             record.write_env_step(None, t, env_step, None)  # while the device computes
+            if unwritten is not None:
+                _write_outputs(*unwritten)
             clock.lap("record")
-            output = jax.tree.map(np.asarray, output)  # the step's one device-to-host copy
+            if ending is not None:
+                if not self._push(0, ending, initial, final, clock):
+                    return
+                clock.flush_into(self.accounting)
+                initial = final
+            action = np.asarray(output.action)  # the one transfer before the env steps
             clock.lap("inference")
-            record.write_output(None, t, output, None)
-            t += 1
-            clock.lap("record")
-            source.send(output.action, ids)
+            source.send(action, ids)
             clock.lap("env_step")
+            unwritten = (record, t, action, output.extras)
+            t += 1
+
+    def _push_before_acting(self) -> bool:
+        """Whether a finished cycle goes on the queue before the next cycle's first acting
+        call rather than while it computes: where the push may wait (a full queue that
+        applies backpressure), so that the next cycle acts with the networks published
+        meanwhile, and in lockstep, whose next networks learn from this cycle."""
+        return self.lockstep is not None or (not self.drop_when_full and self.queue.full())
 
     def _wait_for_networks(self, cycle: int) -> bool:
         """Lockstep: waits until the networks cycle `cycle` acts with are published;
@@ -304,6 +331,8 @@ class EnvGroupRunner:
             self.partial_steps += new_steps
             self.accounting.add_env_steps(new_steps, ended)
             clock.lap("env_step")
+            if pending is not None:  # its actions were computed while this batch stepped
+                sent = self._send(pending, clock)
             if all_rows is None or len(all_rows) != len(ids):
                 all_rows = np.ones(len(ids), bool)
             groups = ids // size
@@ -338,30 +367,35 @@ class EnvGroupRunner:
             output, step_state = self.acting.act(nets, self.state.step_state,
                                                  ids.astype(np.int32), env_step)
             self.state = self.state._replace(step_state=step_state)
-            # While the device computes (JAX dispatches asynchronously): write this
-            # batch's env steps, then fetch, record and send the previous batch's actions
-            # (pipelined; its envs are not in this batch: they have not been sent yet).
+            # While the device computes (JAX dispatches asynchronously) and the envs of
+            # the batch sent above step: write this batch's env steps and the sent
+            # batch's outputs (pipelined; its envs are not in this batch).
             self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
                                    all_rows, version, oldest)
-            clock.lap("record")
             if pending is not None:
-                self._finish(*pending, open_cycles, cycle, cursor, clock)
+                self._record_sent(pending, sent, open_cycles, cycle, cursor)
             pending = (ids, groups, output)
             if not pipelined:
-                self._finish(*pending, open_cycles, cycle, cursor, clock)
+                self._record_sent(pending, self._send(pending, clock), open_cycles, cycle,
+                                  cursor)
                 pending = None
+            clock.lap("record")
 
-    def _finish(self, ids, groups, output, open_cycles, cycle, cursor,
-                clock: StageClock) -> None:
-        """Fetches a batch's actions and extras, records them, and sends the actions."""
-        output = jax.tree.map(np.asarray, output)  # the step's one device-to-host transfer
-        action = output.action
+    def _send(self, batch, clock: StageClock) -> np.ndarray:
+        """Fetches a batch's actions (the envs wait for this transfer only), sends them."""
+        ids, _, output = batch
+        action = np.asarray(output.action)
         clock.lap("inference")
-        self._record_outputs(open_cycles, ids, groups, cycle, cursor, output)
-        cursor[ids] += 1
-        clock.lap("record")
         self.source.send(action, ids)
         clock.lap("env_step")
+        return action
+
+    def _record_sent(self, batch, action: np.ndarray, open_cycles, cycle, cursor) -> None:
+        """Records a sent batch's actions and extras (fetched now) and moves its cursors."""
+        ids, groups, output = batch
+        output = ActorOutput(action, jax.tree.map(np.asarray, output.extras))
+        self._record_outputs(open_cycles, ids, groups, cycle, cursor, output)
+        cursor[ids] += 1
 
     def _record_env_steps(self, open_cycles, ids, groups, cycle, cursor, env_step, mask,
                           version, oldest=None) -> None:
