@@ -158,6 +158,24 @@ class _Cycle:
                 buf[rows, t] = x if mask is None else x[mask]
 
 
+class _Slots(NamedTuple):
+    """Where the envs of a batch from a by-id source write in their groups' cycles."""
+
+    rows: np.ndarray  # [E] each env's row in its group
+    t: np.ndarray  # [E] each env's cursor in its current cycle
+    keys: np.ndarray  # [E] each env's (group, cycle) as group << 32 | cycle
+    only: tuple[int, int] | None  # the (group, cycle) of all of them, if they share one
+
+    @staticmethod
+    def of(ids: np.ndarray, size: int, cycle: np.ndarray, cursor: np.ndarray) -> _Slots:
+        """The slots of envs `ids` of groups of `size`, from each env's cycle and cursor."""
+        groups = ids // size
+        keys = (groups << 32) | cycle[ids]
+        first = int(keys[0])
+        only = divmod(first, 1 << 32) if (keys == first).all() else None
+        return _Slots(ids - groups * size, cursor[ids], keys, only)
+
+
 def _write_outputs(record: _Cycle, t: int, action: np.ndarray, extras) -> None:
     """Records a step's action and extras (fetched now: ready since the step's call)."""
     record.write_output(None, t, ActorOutput(action, jax.tree.map(np.asarray, extras)), None)
@@ -325,7 +343,6 @@ class EnvGroupRunner:
         # be left stepping, and recv would wait forever.
         pipelined = num_groups > 1
         pending = None  # a batch whose actions are being computed, not yet sent
-        all_rows = None
         while not self.stop.is_set():
             ids, env_step, ended, new_steps = source.recv()
             self.partial_steps += new_steps
@@ -333,24 +350,22 @@ class EnvGroupRunner:
             clock.lap("env_step")
             if pending is not None:  # its actions were computed while this batch stepped
                 sent = self._send(pending, clock)
-            if all_rows is None or len(all_rows) != len(ids):
-                all_rows = np.ones(len(ids), bool)
             groups = ids // size
             env_cursor = cursor[ids]
             bootstrap = env_cursor == steps
             if bootstrap.any():  # entry T of their cycle, and entry 0 of the next
-                self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
-                                       bootstrap, version)
+                self._record_env_steps(open_cycles, ids, _Slots.of(ids, size, cycle, cursor),
+                                       env_step, bootstrap, version)
                 done = ids[bootstrap]
                 cycle[done] += 1
                 cursor[done] = 0
                 env_cursor = cursor[ids]
             starts = env_cursor == 0
             if starts.any():  # keep the StepState rows a trajectory starts from
-                slots = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
+                kept_in = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
                 self.state = self.state._replace(snapshots=self.acting.snapshot(
                     self.state.snapshots, self.state.step_state, ids.astype(np.int32),
-                    slots.astype(np.int32)))
+                    kept_in.astype(np.int32)))
                 complete = [g for g in np.unique(groups[bootstrap]).tolist()
                             if cycle[g * size:(g + 1) * size].min() > oldest[g]]
                 for g in complete:
@@ -370,14 +385,13 @@ class EnvGroupRunner:
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: write this batch's env steps and the sent
             # batch's outputs (pipelined; its envs are not in this batch).
-            self._record_env_steps(open_cycles, ids, groups, cycle, cursor, env_step,
-                                   all_rows, version, oldest)
+            slots = _Slots.of(ids, size, cycle, cursor)  # where this batch's rows go
+            self._record_env_steps(open_cycles, ids, slots, env_step, None, version, oldest)
             if pending is not None:
-                self._record_sent(pending, sent, open_cycles, cycle, cursor)
-            pending = (ids, groups, output)
+                self._record_sent(pending, sent, open_cycles, cursor)
+            pending = (ids, slots, output)
             if not pipelined:
-                self._record_sent(pending, self._send(pending, clock), open_cycles, cycle,
-                                  cursor)
+                self._record_sent(pending, self._send(pending, clock), open_cycles, cursor)
                 pending = None
             clock.lap("record")
 
@@ -390,27 +404,33 @@ class EnvGroupRunner:
         clock.lap("env_step")
         return action
 
-    def _record_sent(self, batch, action: np.ndarray, open_cycles, cycle, cursor) -> None:
-        """Records a sent batch's actions and extras (fetched now) and moves its cursors."""
-        ids, groups, output = batch
+    @staticmethod
+    def _record_sent(batch, action: np.ndarray, open_cycles, cursor) -> None:
+        """Records a sent batch's actions and extras (fetched now) and moves its cursors.
+        Its slots still hold: its envs have not stepped since (they were not sent)."""
+        ids, slots, output = batch
         output = ActorOutput(action, jax.tree.map(np.asarray, output.extras))
-        self._record_outputs(open_cycles, ids, groups, cycle, cursor, output)
+        if slots.only is not None:  # the usual case: one group's envs in one cycle
+            open_cycles[slots.only].write_output(slots.rows, slots.t, output, None)
+        else:
+            for key in np.unique(slots.keys).tolist():
+                sel = slots.keys == key
+                open_cycles[divmod(key, 1 << 32)].write_output(
+                    slots.rows[sel], slots.t[sel], output, sel)
         cursor[ids] += 1
 
-    def _record_env_steps(self, open_cycles, ids, groups, cycle, cursor, env_step, mask,
-                          version, oldest=None) -> None:
-        """Writes the env step rows `mask` into each env's current cycle at its cursor."""
-        size = self.source.group_size
-        keys = groups[mask] * (1 << 32) + cycle[ids[mask]]
-        uniform = len(keys) > 0 and bool((keys == keys[0]).all())
-        if uniform and len(keys) == len(ids):
+    def _record_env_steps(self, open_cycles, ids, slots: _Slots, env_step, mask, version,
+                          oldest=None) -> None:
+        """Writes the env step rows `mask` (None: all) into each env's current cycle at
+        its cursor, opening the cycles that start here."""
+        if mask is None and slots.only is not None and slots.only in open_cycles:
             # The usual case: one group's envs (EnvPool returns the envs that were sent
-            # together), all in one cycle: no sorting into cycles, no masks.
-            record = open_cycles.get(divmod(int(keys[0]), 1 << 32))
-            if record is not None:
-                record.write_env_step(ids % size, cursor[ids], env_step, None)
-                return
-        for key in [int(keys[0])] if uniform else np.unique(keys).tolist():
+            # together), all in one open cycle: no sorting into cycles, no masks.
+            open_cycles[slots.only].write_env_step(slots.rows, slots.t, env_step, None)
+            return
+        size = self.source.group_size
+        keys = slots.keys if mask is None else slots.keys[mask]
+        for key in np.unique(keys).tolist():
             g, c = divmod(key, 1 << 32)
             record = open_cycles.get((g, c))
             if record is None:
@@ -422,21 +442,10 @@ class EnvGroupRunner:
                         "raise steps_per_cycle")
                 record = open_cycles[(g, c)] = _Cycle(version, env_step, size,
                                                       self.acting.steps_per_cycle)
-            sel = mask.copy()
-            sel[mask] = keys == key
-            record.write_env_step(ids[sel] % size, cursor[ids[sel]], env_step, sel)
-
-    def _record_outputs(self, open_cycles, ids, groups, cycle, cursor, output) -> None:
-        size = self.source.group_size
-        keys = groups * (1 << 32) + cycle[ids]
-        if (keys == keys[0]).all():  # one group's envs in one cycle: the usual case
-            record = open_cycles[divmod(int(keys[0]), 1 << 32)]
-            record.write_output(ids % size, cursor[ids], output, None)
-            return
-        for key in np.unique(keys).tolist():
-            sel = keys == key
-            record = open_cycles[divmod(key, 1 << 32)]
-            record.write_output(ids[sel] % size, cursor[ids[sel]], output, sel)
+            sel = slots.keys == key
+            if mask is not None:
+                sel &= mask
+            record.write_env_step(slots.rows[sel], slots.t[sel], env_step, sel)
 
     def _push_snapshots(self, g: int, record: _Cycle, c: int,
                         initial: dict[int, StepState], clock: StageClock) -> bool:

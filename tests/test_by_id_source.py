@@ -1,0 +1,133 @@
+"""An inferencer driving a source whose recv returns any E of its envs (EnvPool's kind),
+with batches that mix groups and envs that drift apart in their cycles: each env's steps
+still land in its own trajectory row, in order, with the step states they started and
+ended from. EnvPool itself returns whole groups in practice, so this scripted source is
+what reaches the by-id loop's general path."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sebulba
+from sebulba.accounting import Accounting
+from sebulba.channels import ErrorBox, Staging
+from sebulba.envs import EpisodeTracker
+from sebulba.inferencer import ActingFunctions, EnvGroupRunner
+from tests.counting_agent import CountingAgent
+
+E, T, GROUPS = 4, 5, 3
+OBS_SPACE = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+
+
+class TaggingAgent(CountingAgent):
+    """CountingAgent whose outputs name the env and its count, to check where they land."""
+
+    def step(self, step_state, nets, env_step):
+        output, new_state = super().step(step_state, nets, env_step)
+        extras = {"env": env_step.obs[:, 0].astype(jnp.int32), "count": step_state.count}
+        return output._replace(action=step_state.count % 2, extras=extras), new_state
+
+
+class ScriptedPool:
+    """GROUPS x E envs; recv returns E of the envs sent (or reset) and not yet returned,
+    picked by a seeded rng among the E + 2 that waited longest. obs = (env id, steps the
+    env took, 0); episodes never end."""
+
+    in_order = False
+
+    def __init__(self, seed: int):
+        self.num_groups, self.group_size, self.num_envs = GROUPS, E, GROUPS * E
+        self.rng = np.random.default_rng(seed)
+        self.steps = np.zeros(self.num_envs, np.int64)
+        self.ready: list[int] = []
+        self.tracker = EpisodeTracker(self.num_envs, OBS_SPACE)
+        self.mixed_groups = self.mixed_steps = 0  # batches of several groups / step counts
+
+    def reset(self, seed: int) -> None:
+        self.ready = list(range(self.num_envs))
+
+    def recv(self):
+        window = self.ready[:E + 2]
+        picked = sorted(self.rng.choice(len(window), E, replace=False).tolist())
+        ids = np.array([window[i] for i in picked], np.int64)
+        self.ready = [e for i, e in enumerate(self.ready) if i not in picked]
+        self.mixed_groups += len(set((ids // E).tolist())) > 1
+        self.mixed_steps += len(set(self.steps[ids].tolist())) > 1
+        obs = np.stack([ids, self.steps[ids], np.zeros(E)], axis=1).astype(np.float32)
+        zeros = np.zeros(E, bool)
+        return (ids, *self.tracker.observe(ids, obs, np.zeros(E, np.float32), zeros, zeros))
+
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
+        np.testing.assert_array_equal(actions, self.steps[ids] % 2)  # each env's own action
+        self.steps[ids] += 1
+        self.ready.extend(ids.tolist())
+        self.tracker.sent(ids)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_mixed_batches_fill_each_envs_own_row_in_order():
+    pool = ScriptedPool(seed=0)
+    agent = TaggingAgent(sebulba.EnvSpec(OBS_SPACE, gym.spaces.Discrete(2)))
+    device = jax.devices()[0]
+    key = jax.random.key(0)
+    nets = agent.new_networks(key)
+    staging = Staging(device)
+    staging.publish(0, nets)
+    stop = threading.Event()
+    errors = ErrorBox(stop)
+    items: queue.Queue = queue.Queue()
+    runner = EnvGroupRunner(
+        first_group=0, device=device, source=pool,
+        step_state=agent.new_step_state(nets, key, pool.num_envs), seed=0,
+        acting=ActingFunctions(agent, T), staging=staging, learner_devices=[device],
+        out_queue=items, drop_when_full=False, stop=stop, errors=errors,
+        accounting=Accounting())
+    thread = threading.Thread(target=runner, name="sebulba-test-by-id")
+    thread.start()
+    pushed: dict[int, list] = {g: [] for g in range(GROUPS)}
+    try:
+        while min(len(p) for p in pushed.values()) < 8:
+            item = items.get(timeout=30)
+            pushed[item.group].append(item)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert errors.error is None, errors.error
+    # The script did reach the general path: batches of several groups, and envs of
+    # one batch at different steps (so at different cursors, often in different cycles).
+    assert pool.mixed_groups > 10 and pool.mixed_steps > 10
+
+    for g, group_items in pushed.items():
+        for c, item in enumerate(group_items):
+            obs = np.asarray(item.trajectory.env_steps.obs)[0]  # [E, T + 1, 3]
+            first = np.asarray(item.trajectory.env_steps.first)[0]
+            initial = np.asarray(item.initial_step_state.count)[0]
+            final = np.asarray(item.final_step_state.count)[0]
+            np.testing.assert_array_equal(obs[:, :, 0],
+                                          np.broadcast_to((g * E + np.arange(E))[:, None],
+                                                          (E, T + 1)))
+            # Row e holds env e's steps c T .. (c + 1) T, the last one the next's first.
+            np.testing.assert_array_equal(obs[:, :, 1],
+                                          np.broadcast_to(c * T + np.arange(T + 1), (E, T + 1)))
+            np.testing.assert_array_equal(first[:, 0], np.full(E, c == 0))
+            assert not first[:, 1:].any()
+            # The outputs of each env's acting steps, in its row, in order.
+            outputs = jax.tree.map(lambda x: np.asarray(x)[0], item.trajectory.actor_outputs)
+            steps = np.broadcast_to(c * T + np.arange(T), (E, T))
+            np.testing.assert_array_equal(outputs.extras["env"], obs[:, :T, 0])
+            np.testing.assert_array_equal(outputs.extras["count"], steps)
+            np.testing.assert_array_equal(outputs.action, steps % 2)
+            # The step states are the ones the cycle started from and ended at.
+            np.testing.assert_array_equal(initial, np.full(E, c * T))
+            np.testing.assert_array_equal(final, np.full(E, (c + 1) * T))
