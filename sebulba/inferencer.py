@@ -6,18 +6,22 @@ holds `async_factor` groups in one pool whose `recv` returns whichever E envs fi
 (seed 000's alternation, one thread). The same loop drives both:
 
     ids, env_step = source.recv()      # E envs of any of the source's groups
-    record each env's step into its group's current cycle (host memory, numpy)
     one compiled, donated call on the device: take the ids' StepState rows, keep a copy
         of those that start a cycle (a trajectory's initial StepState), agent.step, put
         the rows back -> actions and extras
-    actions and extras to the host (one transfer); record the extras; source.send
-    for each group whose envs all finished the cycle (T actions, then the bootstrap
-    step): push (initial, final, trajectory) sharded over the learner devices
+    the actions to the host; source.send
+    while the device computes the next call: record each env's step and the extras
+        into its group's current cycle (host memory, numpy), and for each group whose
+        envs all finished the cycle (T actions, then the bootstrap step) push (initial,
+        final, trajectory) sharded over the learner devices
 
-Each env keeps its own cycle and cursor, so envs of a group need not step together: an
-EnvPool env may run up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest.
-Trajectories are built in host memory and go to the learner devices in one transfer per
-device per cycle; the acting call carries only the step's data, not the trajectory.
+Only the action's transfer stands between the acting call and the env step; the rest of
+the host's work overlaps the device's (JAX dispatches asynchronously). Each env keeps its
+own cycle and cursor, so envs of a group need not step together: an EnvPool env may run
+up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest. Trajectories are
+built in host memory and go to the learner devices in one transfer per device per cycle;
+the acting call carries only the step's data, not the trajectory (recording on the
+device instead saves the by-id loop at most 5%: RESULTS.md, 2026-11-25).
 """
 
 from __future__ import annotations
