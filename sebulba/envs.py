@@ -407,6 +407,32 @@ class EpisodeTracker:
                            first)
         return env_step, ended, steps
 
+    def observe_all(self, obs, reward, terminated, truncated
+                    ) -> tuple[EnvStep, list[tuple[float, int]], int]:
+        """`observe` for every env in id order (a vector env's step). The same result with
+        about half the numpy calls: whole arrays updated in place, no gathers by id. In the
+        acting loop each numpy call costs 1 to 2 us (the caches are cold after an acting
+        call), several times what it costs in a tight loop."""
+        first = self._was_last  # a fresh array each step: `last` below replaces it
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool)
+        last = terminated | truncated
+        self._was_last = last
+        reward = np.asarray(reward, np.float32)
+        returns, lengths = self._returns, self._lengths
+        returns += reward
+        lengths += 1
+        if first.any():
+            returns[first] = 0.0
+            lengths[first] = 0
+        ended = []
+        if last.any():
+            ended = list(zip(returns[last].tolist(), lengths[last].tolist(), strict=True))
+        steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
+        env_step = EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
+                           first)
+        return env_step, ended, steps
+
     def sent(self, ids: np.ndarray) -> None:
         if not self._all_acted:
             self._acted[ids] = True
@@ -440,7 +466,7 @@ class VectorEnvSource:
         self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
 
     def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
-        return (self._ids, *self._tracker.observe(self._ids, *self._result))
+        return (self._ids, *self._tracker.observe_all(*self._result))
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = self._to_env(actions)
