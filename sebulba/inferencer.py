@@ -171,13 +171,14 @@ class _Slots(NamedTuple):
     only: tuple[int, int] | None  # the (group, cycle) of all of them, if they share one
 
     @staticmethod
-    def of(ids: np.ndarray, size: int, cycle: np.ndarray, cursor: np.ndarray) -> _Slots:
-        """The slots of envs `ids` of groups of `size`, from each env's cycle and cursor."""
+    def of(ids: np.ndarray, size: int, cycle: np.ndarray, t: np.ndarray) -> _Slots:
+        """The slots of envs `ids` of groups of `size`, from each env's cycle (all envs)
+        and these envs' cursors `t`."""
         groups = ids // size
         keys = (groups << 32) | cycle[ids]
         first = int(keys[0])
         only = divmod(first, 1 << 32) if (keys == first).all() else None
-        return _Slots(ids - groups * size, cursor[ids], keys, only)
+        return _Slots(ids - groups * size, t, keys, only)
 
 
 def _write_outputs(record: _Cycle, t: int, action: np.ndarray, extras) -> None:
@@ -354,12 +355,12 @@ class EnvGroupRunner:
             clock.lap("env_step")
             if pending is not None:  # its actions were computed while this batch stepped
                 sent = self._send(pending, clock)
-            groups = ids // size
             env_cursor = cursor[ids]
             bootstrap = env_cursor == steps
             if bootstrap.any():  # entry T of their cycle, and entry 0 of the next
-                self._record_env_steps(open_cycles, ids, _Slots.of(ids, size, cycle, cursor),
-                                       env_step, bootstrap, version)
+                self._record_env_steps(open_cycles, ids,
+                                       _Slots.of(ids, size, cycle, env_cursor), env_step,
+                                       bootstrap, version)
                 done = ids[bootstrap]
                 cycle[done] += 1
                 cursor[done] = 0
@@ -370,7 +371,7 @@ class EnvGroupRunner:
                 self.state = self.state._replace(snapshots=self.acting.snapshot(
                     self.state.snapshots, self.state.step_state, ids.astype(np.int32),
                     kept_in.astype(np.int32)))
-                complete = [g for g in np.unique(groups[bootstrap]).tolist()
+                complete = [g for g in np.unique(ids[bootstrap] // size).tolist()
                             if cycle[g * size:(g + 1) * size].min() > oldest[g]]
                 for g in complete:
                     # Push before acting, so that the next cycle acts with the networks
@@ -389,7 +390,7 @@ class EnvGroupRunner:
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: write this batch's env steps and the sent
             # batch's outputs (pipelined; its envs are not in this batch).
-            slots = _Slots.of(ids, size, cycle, cursor)  # where this batch's rows go
+            slots = _Slots.of(ids, size, cycle, env_cursor)  # where this batch's rows go
             self._record_env_steps(open_cycles, ids, slots, env_step, None, version, oldest)
             if pending is not None:
                 self._record_sent(pending, sent, open_cycles, cursor)
