@@ -60,6 +60,11 @@ class Config:
       check_finite: raise if the learner's loss is NaN or infinite.
       async_context: multiprocessing start method for "async" vectorization.
       shutdown_timeout_s: how long stopping waits for a thread before giving up on it.
+      action_poll_s: how long an inferencer thread polls for an acting call's actions
+        before it sleeps on them. Waking a sleeping thread costs tens of microseconds
+        (on a 2-core VM: sync CartPole with one group 53k -> 61k steps/s with the
+        default, benchmarks/RESULTS.md); polling holds a core and the GIL meanwhile, so
+        0 suits many inferencer threads per core.
       seed: seeds the networks, the agent state and the envs.
       desync_episodes: truncate each env's first episode at a length drawn uniformly from
         1 to the env's episode step limit, so that envs that start together do not stay
@@ -90,6 +95,7 @@ class Config:
     check_finite: bool = True
     async_context: str = "spawn"
     shutdown_timeout_s: float = 10.0
+    action_poll_s: float = 0.0005
     seed: int = 0
     desync_episodes: bool = False
     agent_ids: bool = False
@@ -110,6 +116,10 @@ class Config:
             raise ValueError(f"queue_capacity must be an int >= 0, got {self.queue_capacity!r}")
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")
+        if (isinstance(self.action_poll_s, bool) or not isinstance(self.action_poll_s, int | float)
+                or not 0 <= self.action_poll_s <= 1):
+            raise ValueError("action_poll_s must be seconds in [0, 1], got "
+                             f"{self.action_poll_s!r}")
         if self.vectorization not in VECTORIZATIONS:
             raise ValueError(
                 f"vectorization must be one of {VECTORIZATIONS}, got {self.vectorization!r}"

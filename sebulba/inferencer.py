@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -181,6 +182,16 @@ class _Slots(NamedTuple):
         return _Slots(ids - groups * size, t, keys, only)
 
 
+def _fetch(x: jax.Array, poll_s: float) -> np.ndarray:
+    """np.asarray(x) of an acting call's output, polling for up to `poll_s` before
+    sleeping on it (`Config.action_poll_s`: a sleeping thread wakes late)."""
+    if poll_s and not x.is_ready():
+        deadline = time.perf_counter() + poll_s
+        while not x.is_ready() and time.perf_counter() < deadline:
+            pass
+    return np.asarray(x)
+
+
 def _write_outputs(record: _Cycle, t: int, action: np.ndarray, extras) -> None:
     """Records a step's action and extras (fetched now: ready since the step's call)."""
     record.write_output(None, t, ActorOutput(action, jax.tree.map(np.asarray, extras)), None)
@@ -206,10 +217,12 @@ class EnvGroupRunner:
         errors: ErrorBox,
         accounting: Accounting,
         lockstep: tuple[int, int] | None = None,
+        action_poll_s: float = 0.0,
     ):
         """`lockstep` = (learner updates at the run's start, trajectories per update):
         cycle c acts only with the networks of update start + c // K, learnt from every
-        trajectory before it (`Config.lockstep`; one group, in-order sources only)."""
+        trajectory before it (`Config.lockstep`; one group, in-order sources only).
+        `action_poll_s`: `Config.action_poll_s`."""
         if lockstep is not None and not source.in_order:
             raise ValueError("lockstep needs a source whose envs step in order")
         self.first_group = first_group
@@ -226,6 +239,7 @@ class EnvGroupRunner:
         self.errors = errors
         self.accounting = accounting
         self.lockstep = lockstep
+        self.action_poll_s = action_poll_s
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
         self.finished = False  # the thread left its loop without an error
 
@@ -308,7 +322,8 @@ class EnvGroupRunner:
                     return
                 clock.flush_into(self.accounting)
                 initial = final
-            action = np.asarray(output.action)  # the one transfer before the env steps
+            # The one transfer before the env steps.
+            action = _fetch(output.action, self.action_poll_s)
             clock.lap("inference")
             source.send(action, ids)
             clock.lap("env_step")
@@ -403,7 +418,7 @@ class EnvGroupRunner:
     def _send(self, batch, clock: StageClock) -> np.ndarray:
         """Fetches a batch's actions (the envs wait for this transfer only), sends them."""
         ids, _, output = batch
-        action = np.asarray(output.action)
+        action = _fetch(output.action, self.action_poll_s)
         clock.lap("inference")
         self.source.send(action, ids)
         clock.lap("env_step")

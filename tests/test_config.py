@@ -33,6 +33,8 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"learner_devices": [1, 1]}, r"learner_devices lists a device twice"),
         ({"vectorization": "threads"}, r"vectorization must be one of .* got 'threads'"),
         ({"queue_capacity": -1}, r"queue_capacity must be an int >= 0, got -1"),
+        ({"action_poll_s": -0.001}, r"action_poll_s must be seconds in \[0, 1\], got -0.001"),
+        ({"action_poll_s": "1ms"}, r"action_poll_s must be seconds in \[0, 1\], got '1ms'"),
         ({"desync_episodes": 1}, r"desync_episodes must be a bool, got 1"),
         ({"env": "CartPole-v1", "vectorization": "vector_entry_point", "desync_episodes": True},
          r"desync_episodes wraps each env, so it needs vectorization 'sync' or 'async'"),
