@@ -192,9 +192,15 @@ def _fetch(x: jax.Array, poll_s: float) -> np.ndarray:
     return np.asarray(x)
 
 
+def _host_output(action: np.ndarray, extras) -> ActorOutput:
+    """A sent step's outputs on the host: its action (fetched to send it) and its extras,
+    fetched now (ready since the step's call)."""
+    return ActorOutput(action, jax.tree.map(np.asarray, extras))
+
+
 def _write_outputs(record: _Cycle, t: int, action: np.ndarray, extras) -> None:
-    """Records a step's action and extras (fetched now: ready since the step's call)."""
-    record.write_output(None, t, ActorOutput(action, jax.tree.map(np.asarray, extras)), None)
+    """Records a step of a vector env (all envs, in order)."""
+    record.write_output(None, t, _host_output(action, extras), None)
 
 
 class EnvGroupRunner:
@@ -380,11 +386,12 @@ class EnvGroupRunner:
                 cycle[done] += 1
                 cursor[done] = 0
                 env_cursor = cursor[ids]
+            ids32 = ids.astype(np.int32)
             starts = env_cursor == 0
             if starts.any():  # keep the StepState rows a trajectory starts from
                 kept_in = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
                 self.state = self.state._replace(snapshots=self.acting.snapshot(
-                    self.state.snapshots, self.state.step_state, ids.astype(np.int32),
+                    self.state.snapshots, self.state.step_state, ids32,
                     kept_in.astype(np.int32)))
                 complete = [g for g in np.unique(ids[bootstrap] // size).tolist()
                             if cycle[g * size:(g + 1) * size].min() > oldest[g]]
@@ -399,8 +406,8 @@ class EnvGroupRunner:
                 if complete:
                     clock.flush_into(self.accounting)
                 version, nets = self.staging.latest()  # a cycle starts with the latest
-            output, step_state = self.acting.act(nets, self.state.step_state,
-                                                 ids.astype(np.int32), env_step)
+            output, step_state = self.acting.act(nets, self.state.step_state, ids32,
+                                                 env_step)
             self.state = self.state._replace(step_state=step_state)
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: write this batch's env steps and the sent
@@ -429,7 +436,7 @@ class EnvGroupRunner:
         """Records a sent batch's actions and extras (fetched now) and moves its cursors.
         Its slots still hold: its envs have not stepped since (they were not sent)."""
         ids, slots, output = batch
-        output = ActorOutput(action, jax.tree.map(np.asarray, output.extras))
+        output = _host_output(action, output.extras)
         if slots.only is not None:  # the usual case: one group's envs in one cycle
             open_cycles[slots.only].write_output(slots.rows, slots.t, output, None)
         else:
