@@ -65,24 +65,40 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3)
 
 
-def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int) -> float:
-    """Steps/second of a bare vector env on uniformly random actions (drawn up front)."""
+def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int,
+             groups: int = 1) -> float:
+    """Steps/second of bare vector envs on uniformly random actions (drawn up front):
+    `groups` of them, each stepped by its own thread at once (what double buffering's
+    env groups can do together on this machine, with no inference at all)."""
+    import concurrent.futures
+
     import numpy as np
 
-    vec = make_vec()
+    vecs = []
     try:
-        actions = np.random.default_rng(seed).integers(
-            0, vec.single_action_space.n, size=(vector_steps + 10, vec.num_envs))
-        vec.reset(seed=seed)
-        for a in actions[:10]:  # async workers finish starting up
-            vec.step(a)
-        t0 = time.perf_counter()
-        for a in actions[10:]:
-            vec.step(a)
-        seconds = time.perf_counter() - t0
+        for _ in range(groups):
+            vecs.append(make_vec())
+        rng = np.random.default_rng(seed)
+        actions = [rng.integers(0, v.single_action_space.n, size=(vector_steps + 10,
+                                                                  v.num_envs))
+                   for v in vecs]
+        for i, vec in enumerate(vecs):
+            vec.reset(seed=seed + i)
+            for a in actions[i][:10]:  # async workers finish starting up
+                vec.step(a)
+        def steps(vec, a) -> None:
+            for x in a[10:]:
+                vec.step(x)
+
+        with concurrent.futures.ThreadPoolExecutor(groups) as pool:
+            t0 = time.perf_counter()
+            for done in [pool.submit(steps, v, a) for v, a in zip(vecs, actions, strict=True)]:
+                done.result()  # re-raises an env's error
+            seconds = time.perf_counter() - t0
     finally:
-        vec.close()
-    return vec.num_envs * vector_steps / seconds
+        for vec in vecs:
+            vec.close()
+    return sum(v.num_envs for v in vecs) * vector_steps / seconds
 
 
 def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,

@@ -65,7 +65,8 @@ class EnvSource(Protocol):
 class ActorState(NamedTuple):
     """An inferencer's device state: the StepState of its N envs (leaves [N, ...]) and
     copies of rows taken where a cycle starts (leaves [slots, N, ...]; None for a
-    source whose envs step in order)."""
+    source whose envs step in order). PRNG keys are held as their raw data
+    (`ActingFunctions`); the acting functions see typed keys."""
 
     step_state: StepState
     snapshots: StepState
@@ -75,58 +76,105 @@ def _is_shared(x) -> bool:
     return jnp.ndim(x) == 0  # a 0-d StepState leaf is shared by all envs
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 class ActingFunctions:
-    """The compiled acting functions, shared by all inferencer threads of a run."""
+    """The compiled acting functions, shared by all inferencer threads of a run.
+
+    Their arguments are what makes a call cheap to dispatch, which an acting loop does
+    once per env step: the networks as a flat tuple of leaves (`networks`, flattened
+    once per published version; a nested dict of them costs about 10 us per call to
+    flatten) and the state's PRNG keys as raw data (a typed key array is flattened and
+    rebuilt in Python on every call). Inside, the agent sees its own pytrees.
+    """
 
     def __init__(self, agent: Agent, steps_per_cycle: int):
         self.agent = agent
         self.steps_per_cycle = steps_per_cycle
+        self._nets_def: jax.tree_util.PyTreeDef | None = None  # set by `networks`
+        self._key_impls: list | None = None  # per StepState leaf; set by `new_state`
         self.act = jax.jit(self._act, donate_argnums=1)
         self.act_all = jax.jit(self._act_all, donate_argnums=1)
         self.snapshot = jax.jit(self._snapshot, donate_argnums=0)  # once a cycle starts
         self.take = jax.jit(self._take, static_argnums=(2, 3))
+        self.typed = jax.jit(self._typed)
 
-    def _act(self, nets, step_state: StepState, ids: jax.Array,
-             env_step: EnvStep) -> tuple[ActorOutput, StepState]:
-        """Acts for envs `ids` [E] of the N whose StepState rows `step_state` holds."""
-        rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
-        output, rows = self.agent.step(rows, nets, env_step)
-        return output, jax.tree.map(lambda x, r: r if _is_shared(x) else x.at[ids].set(r),
-                                    step_state, rows)
+    def networks(self, nets) -> tuple[jax.Array, ...]:
+        """`nets` (as published) in the form the acting calls take: their leaves."""
+        leaves, treedef = jax.tree.flatten(nets)
+        if self._nets_def is None:
+            self._nets_def = treedef
+        elif treedef != self._nets_def:
+            raise ValueError(f"published networks changed structure: {treedef} after "
+                             f"{self._nets_def}")
+        return tuple(leaves)
 
-    def _act_all(self, nets, step_state: StepState,
-                 env_step: EnvStep) -> tuple[ActorOutput, StepState]:
-        """`_act` for all N envs in order, as a vector env steps them: no row gathering."""
-        return self.agent.step(step_state, nets, env_step)
+    def _typed(self, state: StepState) -> StepState:
+        """A StepState whose keys are raw data (as an ActorState holds it), typed again."""
+        leaves, treedef = jax.tree.flatten(state)
+        return treedef.unflatten([
+            x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+            for x, impl in zip(leaves, self._key_impls, strict=True)])
 
     @staticmethod
-    def _snapshot(snapshots: StepState, step_state: StepState, ids: jax.Array,
+    def _raw(state: StepState) -> StepState:
+        return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+    def _act(self, nets: tuple[jax.Array, ...], step_state: StepState, ids: jax.Array,
+             env_step: EnvStep) -> tuple[ActorOutput, StepState]:
+        """Acts for envs `ids` [E] of the N whose StepState rows `step_state` holds."""
+        step_state = self._typed(step_state)
+        rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
+        output, rows = self.agent.step(rows, self._nets_def.unflatten(nets), env_step)
+        return output, self._raw(jax.tree.map(
+            lambda x, r: r if _is_shared(x) else x.at[ids].set(r), step_state, rows))
+
+    def _act_all(self, nets: tuple[jax.Array, ...], step_state: StepState,
+                 env_step: EnvStep) -> tuple[ActorOutput, StepState]:
+        """`_act` for all N envs in order, as a vector env steps them: no row gathering."""
+        output, step_state = self.agent.step(self._typed(step_state),
+                                             self._nets_def.unflatten(nets), env_step)
+        return output, self._raw(step_state)
+
+    def _snapshot(self, snapshots: StepState, step_state: StepState, ids: jax.Array,
                   slots: jax.Array) -> StepState:
         """Copies the StepState rows of envs `ids` [E] to their `slots` [E] (where a cycle
         starts; slot `_SNAPSHOT_SLOTS` means no copy)."""
-        rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
-        return jax.tree.map(
-            lambda buf, r: (buf.at[slots].set(r, mode="drop") if _is_shared(r)
-                            else buf.at[slots, ids].set(r, mode="drop")), snapshots, rows)
+        rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids],
+                            self._typed(step_state))
 
-    @staticmethod
-    def _take(snapshots: StepState, slot: jax.Array, group: int, size: int) -> StepState:
-        """The StepState rows of `group`'s envs kept in `slot`: leaves [size, ...]."""
+        def keep(buf, r):
+            shared, r = _is_shared(r), jax.random.key_data(r) if _is_key(r) else r
+            return (buf.at[slots].set(r, mode="drop") if shared
+                    else buf.at[slots, ids].set(r, mode="drop"))
+
+        return jax.tree.map(keep, snapshots, rows)
+
+    def _take(self, snapshots: StepState, slot: jax.Array, group: int,
+              size: int) -> StepState:
+        """The StepState rows of `group`'s envs kept in `slot`: leaves [size, ...], with
+        typed keys."""
+        rows = jax.tree.map(lambda b: b[slot], snapshots)  # one slot: as a StepState
         return jax.tree.map(
-            lambda b: b[slot] if b.ndim == 1  # a shared (0-d) leaf, one copy per slot
-            else jax.lax.dynamic_slice_in_dim(b[slot], group * size, size), snapshots)
+            lambda x: x if _is_shared(x)
+            else jax.lax.dynamic_slice_in_dim(x, group * size, size), self._typed(rows))
 
     def new_state(self, step_state: StepState, device: jax.Device, *,
                   snapshots: bool = True) -> ActorState:
         """The state on `device`; without `snapshots` (a source whose envs step in order,
         whose cycle ends are taken from the step state itself) no snapshot slots."""
+        impls = [jax.random.key_impl(x) if _is_key(x) else None
+                 for x in jax.tree.leaves(step_state)]
+        if self._key_impls is None:
+            self._key_impls = impls
+        raw = self._raw(step_state)
         kept = None
         if snapshots:
             kept = jax.tree.map(
-                lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype) if not
-                jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-                else jnp.stack([x] * _SNAPSHOT_SLOTS), step_state)
-        return jax.device_put(ActorState(step_state, kept), device, may_alias=False)
+                lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype), raw)
+        return jax.device_put(ActorState(raw, kept), device, may_alias=False)
 
 
 class _Cycle:
@@ -246,6 +294,7 @@ class EnvGroupRunner:
         self.accounting = accounting
         self.lockstep = lockstep
         self.action_poll_s = action_poll_s
+        self._nets = (None, ())  # the staging area's latest networks, and their leaves
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
         self.finished = False  # the thread left its loop without an error
 
@@ -282,7 +331,8 @@ class EnvGroupRunner:
         source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
         clock = StageClock()
         source.reset(seed=self.seed)
-        initial = agent.shard_step_state(self.state.step_state, self.learner_devices)
+        initial = agent.shard_step_state(self.acting.typed(self.state.step_state),
+                                         self.learner_devices)
         record: _Cycle | None = None
         unwritten = None  # (cycle, t, action, extras) of the last step, not yet recorded
         t = c = 0  # the cursor in cycle c
@@ -300,8 +350,8 @@ class EnvGroupRunner:
             ending = None  # a cycle that ended at this step, pushed once it is recorded
             if t == steps:  # entry T of cycle c: it ends here, and c + 1 starts from here
                 record.write_env_step(None, steps, env_step, None)
-                # Sharded before the acting call donates the step state.
-                final = agent.shard_step_state(self.state.step_state, self.learner_devices)
+                final = agent.shard_step_state(self.acting.typed(self.state.step_state),
+                                               self.learner_devices)
                 ending, record, t, c = record, None, 0, c + 1
                 if self._push_before_acting():
                     _write_outputs(*unwritten)
@@ -315,7 +365,7 @@ class EnvGroupRunner:
                     if not self._wait_for_networks(c):
                         return
                     clock.lap("wait_for_networks")
-                version, nets = self.staging.latest()
+                version, nets = self._latest_networks()
                 record = _Cycle(version, env_step, source.num_envs, steps)
             output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
             self.state = self.state._replace(step_state=step_state)
@@ -343,6 +393,14 @@ class EnvGroupRunner:
         meanwhile, and in lockstep, whose next networks learn from this cycle."""
         return self.lockstep is not None or (not self.drop_when_full and self.queue.full())
 
+    def _latest_networks(self) -> tuple[int, tuple[jax.Array, ...]]:
+        """The staging area's latest (version, networks), networks as the acting calls
+        take them (flattened once per published networks)."""
+        version, nets = self.staging.latest()
+        if nets is not self._nets[0]:
+            self._nets = (nets, self.acting.networks(nets))
+        return version, self._nets[1]
+
     def _wait_for_networks(self, cycle: int) -> bool:
         """Lockstep: waits until the networks cycle `cycle` acts with are published;
         False if the run stopped first."""
@@ -364,7 +422,7 @@ class EnvGroupRunner:
         initial: dict[int, StepState] = {}  # group -> its next trajectory's sharded initial
         clock = StageClock()
         source.reset(seed=self.seed)
-        version, nets = self.staging.latest()  # refreshed where a cycle starts
+        version, nets = self._latest_networks()  # refreshed where a cycle starts
         # Pipelining holds one batch back from the source: with one group nothing would
         # be left stepping, and recv would wait forever.
         pipelined = num_groups > 1
@@ -405,7 +463,7 @@ class EnvGroupRunner:
                     oldest[g] += 1
                 if complete:
                     clock.flush_into(self.accounting)
-                version, nets = self.staging.latest()  # a cycle starts with the latest
+                version, nets = self._latest_networks()  # a cycle starts with the latest
             output, step_state = self.acting.act(nets, self.state.step_state, ids32,
                                                  env_step)
             self.state = self.state._replace(step_state=step_state)
