@@ -55,9 +55,15 @@ class Accounting:
         self.team_episodes: collections.deque[tuple[int, float, int]] = collections.deque(
             maxlen=EPISODE_WINDOW)
 
-    def add_env_steps(self, n: int, ended: list[tuple[float, int]]) -> None:
+    def add_env_steps(self, n: int) -> None:
         with self._lock:
             self.env_steps += n
+
+    def add_episodes(self, ended: list[tuple[float, int]]) -> None:
+        """(return, length) of episodes that ended, stamped with the env steps so far."""
+        if not ended:
+            return
+        with self._lock:
             for ret, length in ended:
                 self.episodes.append((self.env_steps, ret, length))
             self.episodes_total += len(ended)

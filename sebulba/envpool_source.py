@@ -90,7 +90,7 @@ class EnvPoolSource:
         del seed  # the pool was seeded when made; env i gets seed + i
         self.pool.async_reset()
 
-    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
+    def recv(self) -> tuple[np.ndarray, EnvStep, int]:
         if self._raw is None:
             obs, reward, terminated, truncated, info = self.pool.recv()
             ids = info["env_id"]
@@ -100,6 +100,9 @@ class EnvPoolSource:
             terminated = done & ~truncated  # EnvPool's done is terminated or truncated
         ids = np.asarray(ids, np.int64)
         return (ids, *self._tracker.observe(ids, obs, reward, terminated, truncated))
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        return self._tracker.pop_episodes()
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = np.asarray(self._to_env(actions), self._action_dtype)

@@ -369,8 +369,10 @@ class EpisodeTracker:
     """Per-env episode starts, returns and lengths for envs addressed by id.
 
     Turns an env's (obs, reward, terminated, truncated) rows into `EnvStep` rows with
-    fixed dtypes (so the compiled acting step never retraces) and the `first` flag, and
-    reports the (return, length) of the episodes that ended.
+    fixed dtypes (so the compiled acting step never retraces) and the `first` flag. The
+    episodes' returns and lengths are tallied later, when `pop_episodes` asks for the
+    episodes that ended (or at the next observe): an acting loop asks while the device
+    computes, so the tally stays off the path from one env step to the next.
     """
 
     def __init__(self, num_envs: int, observation_space: gym.Space):
@@ -380,58 +382,68 @@ class EpisodeTracker:
         self._all_acted = False
         self._returns = np.zeros(num_envs, np.float64)
         self._lengths = np.zeros(num_envs, np.int64)
+        self._untallied: tuple | None = None  # (ids or None: all, reward, first, last)
+        self._ended: list[tuple[float, int]] = []
 
     def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
-                ) -> tuple[EnvStep, list[tuple[float, int]], int]:
-        """(EnvStep rows for `ids`, ended episodes, env steps these rows complete)."""
+                ) -> tuple[EnvStep, int]:
+        """(EnvStep rows for `ids`, env steps these rows complete)."""
+        self._tally()
         first = self._was_last[ids]
         terminated = np.asarray(terminated, bool)
         truncated = np.asarray(truncated, bool)
         last = terminated | truncated
         self._was_last[ids] = last
         reward = np.asarray(reward, np.float32)
-        returns = self._returns[ids]
-        returns += reward
-        returns[first] = 0.0
-        self._returns[ids] = returns
-        lengths = self._lengths[ids]
-        lengths += 1
-        lengths[first] = 0
-        self._lengths[ids] = lengths
-        ended = []
-        if last.any():
-            ended = list(zip(returns[last].tolist(), lengths[last].tolist(), strict=True))
+        self._untallied = (ids, reward, first, last)
         # Once every env has been sent an action (the usual case), each row is a step.
         steps = len(ids) if self._all_acted else int(np.count_nonzero(self._acted[ids]))
-        env_step = EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
-                           first)
-        return env_step, ended, steps
+        return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
+                       first), steps
 
-    def observe_all(self, obs, reward, terminated, truncated
-                    ) -> tuple[EnvStep, list[tuple[float, int]], int]:
-        """`observe` for every env in id order (a vector env's step). The same result with
-        about half the numpy calls: whole arrays updated in place, no gathers by id. In the
-        acting loop each numpy call costs 1 to 2 us (the caches are cold after an acting
-        call), several times what it costs in a tight loop."""
+    def observe_all(self, obs, reward, terminated, truncated) -> tuple[EnvStep, int]:
+        """`observe` for every env in id order (a vector env's step): whole arrays, no
+        gathers by id. In the acting loop each numpy call costs 1 to 2 us (the caches
+        are cold after an acting call), several times what it costs in a tight loop."""
+        self._tally()
         first = self._was_last  # a fresh array each step: `last` below replaces it
         terminated = np.asarray(terminated, bool)
         truncated = np.asarray(truncated, bool)
         last = terminated | truncated
         self._was_last = last
         reward = np.asarray(reward, np.float32)
-        returns, lengths = self._returns, self._lengths
+        self._untallied = (None, reward, first, last)
+        steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
+        return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
+                       first), steps
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of the episodes that ended in the rows observed since the last
+        call, in the order observed."""
+        self._tally()
+        ended, self._ended = self._ended, []
+        return ended
+
+    def _tally(self) -> None:
+        """Adds the last observed rows to their episodes' returns and lengths."""
+        if self._untallied is None:
+            return
+        ids, reward, first, last = self._untallied
+        self._untallied = None
+        if ids is None:  # every env, in id order: the whole arrays, in place
+            returns, lengths = self._returns, self._lengths
+        else:
+            returns, lengths = self._returns[ids], self._lengths[ids]
         returns += reward
         lengths += 1
-        if first.any():
+        if first.any():  # a reset's row: its reward is not the new episode's
             returns[first] = 0.0
             lengths[first] = 0
-        ended = []
+        if ids is not None:
+            self._returns[ids] = returns
+            self._lengths[ids] = lengths
         if last.any():
-            ended = list(zip(returns[last].tolist(), lengths[last].tolist(), strict=True))
-        steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
-        env_step = EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
-                           first)
-        return env_step, ended, steps
+            self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
 
     def sent(self, ids: np.ndarray) -> None:
         if not self._all_acted:
@@ -443,9 +455,10 @@ class VectorEnvSource:
     """A gymnasium vector env as an env source: one group whose envs step together.
 
     The env-source interface the inferencers drive (an EnvPool source has the same):
-    `reset(seed)`, then alternately `recv() -> (ids, EnvStep, ended episodes, env steps)`
-    and `send(actions, ids)`; `num_envs` envs in `num_groups` groups of `group_size`.
-    Here recv returns what the last send's step produced, for all envs in id order.
+    `reset(seed)`, then alternately `recv() -> (ids, EnvStep, env steps)` and
+    `send(actions, ids)`; `num_envs` envs in `num_groups` groups of `group_size`.
+    Here recv returns what the last send's step produced, for all envs in id order, and
+    `pop_episodes()` the (return, length) of the episodes that ended in it.
     """
 
     num_groups = 1
@@ -465,8 +478,11 @@ class VectorEnvSource:
         zeros = np.zeros(self.num_envs, bool)
         self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
 
-    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
+    def recv(self) -> tuple[np.ndarray, EnvStep, int]:
         return (self._ids, *self._tracker.observe_all(*self._result))
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        return self._tracker.pop_episodes()
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = self._to_env(actions)

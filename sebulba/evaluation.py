@@ -68,12 +68,13 @@ def evaluate(
     try:
         source = VectorEnvSource(vec)
         source.reset(seed=seed)
-        ids, env_step, _, _ = source.recv()
+        ids, env_step, _ = source.recv()
         step_state = agent.new_step_state(nets, jax.random.key(seed), num_envs)
         for _ in range(max_env_steps // num_envs):
             output, step_state = act(step_state, nets, env_step)
             source.send(np.asarray(output.action), ids)
-            _, env_step, finished, _ = source.recv()
+            _, env_step, _ = source.recv()
+            finished = source.pop_episodes()
             if finished:  # the tracker lists ended episodes in env order
                 ended_envs = np.flatnonzero(np.asarray(env_step.terminated | env_step.truncated))
                 for i, episode in zip(ended_envs, finished, strict=True):

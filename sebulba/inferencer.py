@@ -10,10 +10,11 @@ holds `async_factor` groups in one pool whose `recv` returns whichever E envs fi
         of those that start a cycle (a trajectory's initial StepState), agent.step, put
         the rows back -> actions and extras
     the actions to the host; source.send
-    while the device computes the next call: record each env's step and the extras
-        into its group's current cycle (host memory, numpy), and for each group whose
-        envs all finished the cycle (T actions, then the bootstrap step) push (initial,
-        final, trajectory) sharded over the learner devices
+    while the device computes the next call: tally the episodes that ended, record each
+        env's step and the extras into its group's current cycle (host memory, numpy),
+        and for each group whose envs all finished the cycle (T actions, then the
+        bootstrap step) push (initial, final, trajectory) sharded over the learner
+        devices
 
 Only the action's transfer stands between the acting call and the env step; the rest of
 the host's work overlaps the device's (JAX dispatches asynchronously). Each env keeps its
@@ -57,7 +58,10 @@ class EnvSource(Protocol):
     in_order: bool  # recv always returns every env, in id order (a vector env)
 
     def reset(self, seed: int) -> None: ...
-    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]: ...
+    def recv(self) -> tuple[np.ndarray, EnvStep, int]: ...  # ids, their rows, env steps
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of the episodes that ended in the rows recv returned since
+        the last call."""
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None: ...
     def close(self) -> None: ...
 
@@ -165,10 +169,9 @@ class ActingFunctions:
                   snapshots: bool = True) -> ActorState:
         """The state on `device`; without `snapshots` (a source whose envs step in order,
         whose cycle ends are taken from the step state itself) no snapshot slots."""
-        impls = [jax.random.key_impl(x) if _is_key(x) else None
-                 for x in jax.tree.leaves(step_state)]
-        if self._key_impls is None:
-            self._key_impls = impls
+        if self._key_impls is None:  # the same for every thread's StepState
+            self._key_impls = [jax.random.key_impl(x) if _is_key(x) else None
+                               for x in jax.tree.leaves(step_state)]
         raw = self._raw(step_state)
         kept = None
         if snapshots:
@@ -339,9 +342,9 @@ class EnvGroupRunner:
         teams = getattr(source, "pop_team_episodes", None)  # a multi-agent source
         padded = 0
         while not self.stop.is_set():
-            ids, env_step, ended, new_steps = source.recv()
+            ids, env_step, new_steps = source.recv()
             self.partial_steps += new_steps
-            self.accounting.add_env_steps(new_steps, ended)
+            self.accounting.add_env_steps(new_steps)
             if teams is not None:
                 padding = source.padding_steps
                 self.accounting.add_team_episodes(padding - padded, teams())
@@ -369,7 +372,9 @@ class EnvGroupRunner:
                 record = _Cycle(version, env_step, source.num_envs, steps)
             output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
             self.state = self.state._replace(step_state=step_state)
-            record.write_env_step(None, t, env_step, None)  # while the device computes
+            # While the device computes:
+            self.accounting.add_episodes(source.pop_episodes())
+            record.write_env_step(None, t, env_step, None)
             if unwritten is not None:
                 _write_outputs(*unwritten)
             clock.lap("record")
@@ -428,9 +433,9 @@ class EnvGroupRunner:
         pipelined = num_groups > 1
         pending = None  # a batch whose actions are being computed, not yet sent
         while not self.stop.is_set():
-            ids, env_step, ended, new_steps = source.recv()
+            ids, env_step, new_steps = source.recv()
             self.partial_steps += new_steps
-            self.accounting.add_env_steps(new_steps, ended)
+            self.accounting.add_env_steps(new_steps)
             clock.lap("env_step")
             if pending is not None:  # its actions were computed while this batch stepped
                 sent = self._send(pending, clock)
@@ -468,8 +473,10 @@ class EnvGroupRunner:
                                                  env_step)
             self.state = self.state._replace(step_state=step_state)
             # While the device computes (JAX dispatches asynchronously) and the envs of
-            # the batch sent above step: write this batch's env steps and the sent
-            # batch's outputs (pipelined; its envs are not in this batch).
+            # the batch sent above step: tally the episodes that ended, write this
+            # batch's env steps and the sent batch's outputs (pipelined; its envs are not
+            # in this batch).
+            self.accounting.add_episodes(source.pop_episodes())
             slots = _Slots.of(ids, size, cycle, env_cursor)  # where this batch's rows go
             self._record_env_steps(open_cycles, ids, slots, env_step, None, version, oldest)
             if pending is not None:

@@ -176,13 +176,16 @@ class ParallelEnvSource:
         self._env_lengths[i] = 0
         self._needs_reset[i] = False
 
-    def recv(self) -> tuple[np.ndarray, EnvStep, list[tuple[float, int]], int]:
+    def recv(self) -> tuple[np.ndarray, EnvStep, int]:
         obs, reward, terminated, truncated, first = self._result
         if self._one_hot is not None:
             obs = np.concatenate([obs, np.tile(self._one_hot, (len(self.envs), 1))], axis=1)
-        ended, self._ended = self._ended, []
         steps = self.num_envs if self._acted else 0
-        return self._ids, EnvStep(obs, reward, terminated, truncated, first), ended, steps
+        return self._ids, EnvStep(obs, reward, terminated, truncated, first), steps
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        ended, self._ended = self._ended, []
+        return ended
 
     def pop_team_episodes(self) -> list[tuple[float, int]]:
         ended, self._team_ended = self._team_ended, []

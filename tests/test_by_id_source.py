@@ -65,6 +65,9 @@ class ScriptedPool:
         zeros = np.zeros(E, bool)
         return (ids, *self.tracker.observe(ids, obs, np.zeros(E, np.float32), zeros, zeros))
 
+    def pop_episodes(self):
+        return self.tracker.pop_episodes()
+
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         np.testing.assert_array_equal(actions, self.steps[ids] % 2)  # each env's own action
         self.steps[ids] += 1

@@ -98,14 +98,14 @@ def test_factories_are_desynced_in_subprocess_workers_too(no_leftovers):
     try:
         source = VectorEnvSource(vec)
         source.reset(seed=0)
-        ids, _, _, _ = source.recv()
+        ids, _, _ = source.recv()
         cuts = [DesyncFirstEpisode(limited_counting_env()) for _ in range(2)]
         for seed, env in enumerate(cuts):
             env.reset(seed=seed)
         ends = []
         for t in range(1, EPISODE_LENGTH + 1):
             source.send(np.zeros(2, np.int64), ids)
-            _, env_step, _, _ = source.recv()
+            _, env_step, _ = source.recv()
             ends += [(i, t) for i in np.flatnonzero(env_step.truncated)]
         # Each worker cuts its first episode where the same wrapper in-process does.
         assert sorted(ends) == [(i, env.first_episode_length) for i, env in enumerate(cuts)]

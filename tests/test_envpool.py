@@ -184,10 +184,10 @@ def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
             source.reset(seed=3)
             steps, ended_all = [], []
             for i in range(60):
-                ids, env_step, ended, _ = source.recv()
+                ids, env_step, _ = source.recv()
                 order = np.argsort(ids)
                 steps.append((ids[order], jax.tree.map(lambda x, o=order: x[o], env_step)))
-                ended_all += ended
+                ended_all += source.pop_episodes()
                 actions = np.random.default_rng(i).integers(
                     0, source.pool.action_space.n, len(ids))
                 source.send(actions[order.argsort()], ids)

@@ -1,5 +1,6 @@
 """The episode tracker's two paths: by env id (EnvPool) and every env in order (a vector
-env's fast path) give the same EnvStep rows, ended episodes and step counts."""
+env's fast path) give the same EnvStep rows, ended episodes and step counts, however
+often the ended episodes are asked for (the tally runs when they are)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_in_order_path_matches_the_by_id_path():
     rng = np.random.default_rng(0)
     by_id, in_order = EpisodeTracker(N, SPACE), EpisodeTracker(N, SPACE)
     ids = np.arange(N)
-    ended_total = 0
+    ended_by_id, ended_in_order = [], []
     for step in range(2000):
         obs = rng.normal(size=(N, 3))  # float64: both convert to the space's float32
         reward = rng.normal(size=N) * (step > 0)
@@ -28,25 +29,45 @@ def test_in_order_path_matches_the_by_id_path():
         for x, y in zip(a[0], b[0], strict=True):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y)
-        assert a[1:] == b[1:], step  # (return, length) of ended episodes; steps counted
-        ended_total += len(b[1])
+        assert a[1] == b[1], step  # steps counted
+        ended_by_id += by_id.pop_episodes()  # every step
+        if step % 5 == 4:  # now and then: the tally catches up
+            ended_in_order += in_order.pop_episodes()
         if step not in (1, 2, 4):  # some steps send no action: their rows are not steps
             by_id.sent(ids)
             in_order.sent(ids)
-    assert ended_total > 100
+    ended_in_order += in_order.pop_episodes()
+    assert ended_by_id == ended_in_order  # (return, length), in the order they ended
+    assert len(ended_by_id) > 100
 
 
 @pytest.mark.timeout(60)
 def test_in_order_returns_count_the_steps_after_the_first():
     tracker = EpisodeTracker(2, SPACE)
     obs, flags = np.zeros((2, 3)), np.zeros(2, bool)
-    step, ended, steps = tracker.observe_all(obs, np.zeros(2), flags, flags)
-    assert step.first.tolist() == [True, True] and ended == [] and steps == 0
+    step, steps = tracker.observe_all(obs, np.zeros(2), flags, flags)
+    assert step.first.tolist() == [True, True] and steps == 0
+    assert tracker.pop_episodes() == []
     tracker.sent(np.arange(2))
     tracker.observe_all(obs, np.array([1.0, 2.0]), flags, flags)
-    step, ended, steps = tracker.observe_all(obs, np.array([3.0, 4.0]),
-                                             np.array([True, False]), flags)
-    assert ended == [(4.0, 2)] and steps == 2 and not step.first.any()
-    step, ended, _ = tracker.observe_all(obs, np.array([0.0, 5.0]), flags,
-                                         np.array([False, True]))
-    assert step.first.tolist() == [True, False] and ended == [(11.0, 3)]
+    step, steps = tracker.observe_all(obs, np.array([3.0, 4.0]), np.array([True, False]),
+                                      flags)
+    assert tracker.pop_episodes() == [(4.0, 2)] and steps == 2 and not step.first.any()
+    step, _ = tracker.observe_all(obs, np.array([0.0, 5.0]), flags, np.array([False, True]))
+    assert step.first.tolist() == [True, False]
+    assert tracker.pop_episodes() == [(11.0, 3)] and tracker.pop_episodes() == []
+
+
+@pytest.mark.timeout(60)
+def test_by_id_rows_tally_into_their_own_envs():
+    tracker = EpisodeTracker(4, SPACE)
+    obs, no = np.zeros((2, 3)), np.zeros(2, bool)
+    tracker.observe(np.array([0, 1]), obs, np.zeros(2), no, no)
+    tracker.observe(np.array([2, 3]), obs, np.zeros(2), no, no)
+    tracker.sent(np.arange(4))
+    tracker.observe(np.array([3, 0]), obs, np.array([1.0, 10.0]), no, no)
+    tracker.observe(np.array([1, 3]), obs, np.array([100.0, 2.0]), no, np.array([False, True]))
+    assert tracker.pop_episodes() == [(3.0, 2)]  # env 3's: 1 + 2 over two steps
+    tracker.observe(np.array([0, 1]), obs, np.array([20.0, 200.0]), np.array([True, True]),
+                    no)
+    assert tracker.pop_episodes() == [(30.0, 2), (300.0, 2)]

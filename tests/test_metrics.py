@@ -67,7 +67,8 @@ def test_accounting_keeps_bounded_records_and_whole_run_totals():
     acc = Accounting()
     n = 250_000  # a long run: more episodes and trajectories than the windows hold
     for i in range(n // 100):
-        acc.add_env_steps(100, [(float(i * 100 + j), 1) for j in range(100)])
+        acc.add_env_steps(100)
+        acc.add_episodes([(float(i * 100 + j), 1) for j in range(100)])
         acc.add_consumed(100, policy_lag=i % 7)
     assert len(acc.episodes) == EPISODE_WINDOW and acc.episodes_total == n
     assert acc.episodes[-1] == (n, float(n - 1), 1)  # the most recent are the ones kept

@@ -37,9 +37,9 @@ def test_rows_are_env_major_agents_and_episodes_follow_next_step_autoreset():
     source = role_call_source(n, num_agents=k, episode_length=length)
     assert (source.num_envs, source.agents_per_env) == (n * k, k)
     source.reset(seed=0)
-    ids, step, ended, steps = source.recv()
+    ids, step, steps = source.recv()
     np.testing.assert_array_equal(ids, np.arange(n * k))
-    assert step.first.all() and steps == 0 and ended == []
+    assert step.first.all() and steps == 0 and source.pop_episodes() == []
     for t in range(1, length + 2):
         # every agent of an env sees its env's symbol
         symbols = step.obs.reshape(n, k, k).argmax(-1)
@@ -48,7 +48,8 @@ def test_rows_are_env_major_agents_and_episodes_follow_next_step_autoreset():
         answers = right_answers(symbols[:, 0], k)
         answers[k:] = (answers[k:] + 1) % k
         source.send(answers, ids)
-        ids, step, ended, steps = source.recv()
+        ids, step, steps = source.recv()
+        ended = source.pop_episodes()
         assert steps == n * k
         if t <= length:
             np.testing.assert_allclose(step.reward, [1 / length] * k + [0.0] * k)
@@ -85,7 +86,7 @@ def test_an_agent_that_leaves_early_is_padding_masked_from_learning():
     source.reset(seed=0)
     rows = []
     for _ in range(2 * (length + 1)):
-        ids, step, _, _ = source.recv()
+        ids, step, _ = source.recv()
         rows.append(step)
         source.send(np.zeros(k, np.int64), ids)
     last = k - 1
@@ -112,7 +113,7 @@ def test_agent_ids_append_a_one_hot_per_agent():
     assert spec.agents_per_env == k and spec.obs_shape == (2 * k,)
     source = role_call_source(2, agent_ids=True, num_agents=k)
     source.reset(seed=0)
-    _, step, _, _ = source.recv()
+    _, step, _ = source.recv()
     assert step.obs.shape == (2 * k, 2 * k)
     np.testing.assert_array_equal(step.obs[:, k:], np.tile(np.eye(k), (2, 1)))
 
@@ -378,8 +379,8 @@ def test_agents_absent_at_the_reset_or_rejoining_are_padding_until_they_start():
     source.reset(seed=0)
     rows = []
     for _ in range(6):
-        ids, step, ended, _ = source.recv()
-        rows.append((step, ended))
+        ids, step, _ = source.recv()
+        rows.append((step, source.pop_episodes()))
         source.send(np.zeros(2, np.int64), ids)
     b = [(bool(s.first[1]), bool(s.terminated[1]), bool(s.truncated[1]), float(s.reward[1]))
          for s, _ in rows]
