@@ -99,6 +99,9 @@ class ActingFunctions:
         self.steps_per_cycle = steps_per_cycle
         self._nets_def: jax.tree_util.PyTreeDef | None = None  # set by `networks`
         self._key_impls: list | None = None  # per StepState leaf; set by `new_state`
+        # ActorOutput's structure, for the host's records of it (leaves): set when an
+        # acting function is traced, so before any step is recorded.
+        self.output_def: jax.tree_util.PyTreeDef | None = None
         self.act = jax.jit(self._act, donate_argnums=1)
         self.act_all = jax.jit(self._act_all, donate_argnums=1)
         self.snapshot = jax.jit(self._snapshot, donate_argnums=0)  # once a cycle starts
@@ -132,6 +135,7 @@ class ActingFunctions:
         step_state = self._typed(step_state)
         rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
         output, rows = self.agent.step(rows, self._nets_def.unflatten(nets), env_step)
+        self.output_def = jax.tree.structure(output)
         return output, self._raw(jax.tree.map(
             lambda x, r: r if _is_shared(x) else x.at[ids].set(r), step_state, rows))
 
@@ -140,6 +144,7 @@ class ActingFunctions:
         """`_act` for all N envs in order, as a vector env steps them: no row gathering."""
         output, step_state = self.agent.step(self._typed(step_state),
                                              self._nets_def.unflatten(nets), env_step)
+        self.output_def = jax.tree.structure(output)
         return output, self._raw(step_state)
 
     def _snapshot(self, snapshots: StepState, step_state: StepState, ids: jax.Array,
@@ -187,7 +192,7 @@ class _Cycle:
         self.version = version  # learner updates of the oldest networks that acted in it
         self.env_steps = jax.tree.map(
             lambda x: np.zeros((num_envs, steps + 1) + x.shape[1:], x.dtype), env_step)
-        self.actor_outputs: ActorOutput | None = None  # allocated from the first output
+        self.outputs: list[np.ndarray] | None = None  # ActorOutput's leaves, once written
         self.steps = steps
 
     def write_env_step(self, rows: np.ndarray | None, t: np.ndarray | int,
@@ -200,18 +205,21 @@ class _Cycle:
             else:
                 buf[rows, t] = x if mask is None else x[mask]
 
-    def write_output(self, rows: np.ndarray, t: np.ndarray, output: ActorOutput,
-                     mask: np.ndarray) -> None:
-        if self.actor_outputs is None:
+    def write_output(self, rows: np.ndarray | None, t: np.ndarray | int,
+                     output: list[np.ndarray], mask: np.ndarray | None) -> None:
+        """`write_env_step` for an ActorOutput's leaves `output`."""
+        if self.outputs is None:
             num_envs = self.env_steps.reward.shape[0]
-            self.actor_outputs = jax.tree.map(
-                lambda x: np.zeros((num_envs, self.steps) + x.shape[1:], x.dtype), output)
-        for buf, x in zip(jax.tree.leaves(self.actor_outputs), jax.tree.leaves(output),
-                          strict=True):
+            self.outputs = [np.zeros((num_envs, self.steps) + x.shape[1:], x.dtype)
+                            for x in output]
+        for buf, x in zip(self.outputs, output, strict=True):
             if rows is None:
                 buf[:, t] = x
             else:
                 buf[rows, t] = x if mask is None else x[mask]
+
+    def trajectory(self, output_def: jax.tree_util.PyTreeDef) -> Trajectory:
+        return Trajectory(self.env_steps, output_def.unflatten(self.outputs))
 
 
 class _Slots(NamedTuple):
@@ -243,15 +251,16 @@ def _fetch(x: jax.Array, poll_s: float) -> np.ndarray:
     return np.asarray(x)
 
 
-def _host_output(action: np.ndarray, extras) -> ActorOutput:
-    """A sent step's outputs on the host: its action (fetched to send it) and its extras,
-    fetched now (ready since the step's call)."""
-    return ActorOutput(action, jax.tree.map(np.asarray, extras))
+def _host_output(action: np.ndarray, output: ActorOutput) -> list[np.ndarray]:
+    """A sent step's outputs on the host, as ActorOutput's leaves: its action (fetched to
+    send it) and its extras, fetched now (ready since the step's call). Leaves, not a
+    pytree: jax.tree.map costs several microseconds a step."""
+    return [action, *map(np.asarray, jax.tree.leaves(output.extras))]
 
 
-def _write_outputs(record: _Cycle, t: int, action: np.ndarray, extras) -> None:
+def _write_outputs(record: _Cycle, t: int, action: np.ndarray, output: ActorOutput) -> None:
     """Records a step of a vector env (all envs, in order)."""
-    record.write_output(None, t, _host_output(action, extras), None)
+    record.write_output(None, t, _host_output(action, output), None)
 
 
 class EnvGroupRunner:
@@ -337,7 +346,7 @@ class EnvGroupRunner:
         initial = agent.shard_step_state(self.acting.typed(self.state.step_state),
                                          self.learner_devices)
         record: _Cycle | None = None
-        unwritten = None  # (cycle, t, action, extras) of the last step, not yet recorded
+        unwritten = None  # (cycle, t, action, output) of the last step, not yet recorded
         t = c = 0  # the cursor in cycle c
         teams = getattr(source, "pop_team_episodes", None)  # a multi-agent source
         padded = 0
@@ -388,7 +397,7 @@ class EnvGroupRunner:
             clock.lap("inference")
             source.send(action, ids)
             clock.lap("env_step")
-            unwritten = (record, t, action, output.extras)
+            unwritten = (record, t, action, output)
             t += 1
 
     def _push_before_acting(self) -> bool:
@@ -501,7 +510,7 @@ class EnvGroupRunner:
         """Records a sent batch's actions and extras (fetched now) and moves its cursors.
         Its slots still hold: its envs have not stepped since (they were not sent)."""
         ids, slots, output = batch
-        output = _host_output(action, output.extras)
+        output = _host_output(action, output)
         if slots.only is not None:  # the usual case: one group's envs in one cycle
             open_cycles[slots.only].write_output(slots.rows, slots.t, output, None)
         else:
@@ -556,8 +565,8 @@ class EnvGroupRunner:
     def _push(self, g: int, record: _Cycle, initial: StepState, final: StepState,
               clock: StageClock) -> bool:
         """Puts group g's recorded cycle on the queue; False if the run stopped first."""
-        trajectory = sharding.shard_host_env_axis(
-            Trajectory(record.env_steps, record.actor_outputs), self.learner_devices)
+        trajectory = sharding.shard_host_env_axis(record.trajectory(self.acting.output_def),
+                                                  self.learner_devices)
         num_steps = self.source.group_size * self.acting.steps_per_cycle
         item = QueueItem(self.first_group + g, record.version, initial, final, trajectory,
                          num_steps)
