@@ -305,6 +305,10 @@ RUN_FLAG_CONVERSIONS: dict[str, FlagConversion] = {
     # Sequence of device indices or jax.Device | None: comma-separated indices, unset = None.
     "inference_devices": FlagConversion(_define_devices, _parse_devices),
     "learner_devices": FlagConversion(_define_devices, _parse_devices),
+    # float | None: a float, unset = None.
+    "action_poll_s": FlagConversion(
+        lambda name, default, help, **kw: flags.DEFINE_float(name, default, help, **kw),
+        _identity),
     # str, a multiprocessing start method: an enum of this platform's methods.
     "async_context": FlagConversion(
         _define_enum(tuple(multiprocessing.get_all_start_methods())), _identity),

@@ -62,9 +62,11 @@ class Config:
       shutdown_timeout_s: how long stopping waits for a thread before giving up on it.
       action_poll_s: how long an inferencer thread polls for an acting call's actions
         before it sleeps on them. Waking a sleeping thread costs tens of microseconds
-        (on a 2-core VM: sync CartPole with one group 53k -> 61k steps/s with the
-        default, benchmarks/RESULTS.md); polling holds a core and the GIL meanwhile, so
-        0 suits many inferencer threads per core.
+        (on a 2-core VM: sync CartPole with one group 53k -> 61k steps/s with 0.5 ms,
+        benchmarks/RESULTS.md); polling holds a core and the GIL meanwhile, so 0 suits
+        many inferencer threads per core. None: 0.5 ms, except 0 with vectorization
+        "async", whose env worker processes need the cores a polling thread holds
+        (`Config.action_poll_seconds`).
       seed: seeds the networks, the agent state and the envs.
       desync_episodes: truncate each env's first episode at a length drawn uniformly from
         1 to the env's episode step limit, so that envs that start together do not stay
@@ -95,7 +97,7 @@ class Config:
     check_finite: bool = True
     async_context: str = "spawn"
     shutdown_timeout_s: float = 10.0
-    action_poll_s: float = 0.0005
+    action_poll_s: float | None = None
     seed: int = 0
     desync_episodes: bool = False
     agent_ids: bool = False
@@ -116,10 +118,10 @@ class Config:
             raise ValueError(f"queue_capacity must be an int >= 0, got {self.queue_capacity!r}")
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")
-        if (isinstance(self.action_poll_s, bool) or not isinstance(self.action_poll_s, int | float)
-                or not 0 <= self.action_poll_s <= 1):
-            raise ValueError("action_poll_s must be seconds in [0, 1], got "
-                             f"{self.action_poll_s!r}")
+        poll = self.action_poll_s
+        if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
+                                 or not 0 <= poll <= 1):
+            raise ValueError(f"action_poll_s must be seconds in [0, 1] or None, got {poll!r}")
         if self.vectorization not in VECTORIZATIONS:
             raise ValueError(
                 f"vectorization must be one of {VECTORIZATIONS}, got {self.vectorization!r}"
@@ -203,6 +205,15 @@ class Config:
     @property
     def effective_queue_capacity(self) -> int:
         return self.queue_capacity or self.num_groups
+
+    @property
+    def action_poll_seconds(self) -> float:
+        """`action_poll_s`, None resolved. Subprocess env workers ("async") lose more to
+        a polling thread than it gains: on 2 cores, CartPole with two groups 11.9k against
+        11.0k steps/s, a 2 ms env 1-6% (benchmarks/RESULTS.md, 2026-11-25)."""
+        if self.action_poll_s is not None:
+            return self.action_poll_s
+        return 0.0 if self.vectorization == "async" else 0.0005
 
 
 def _positive(name: str, value: Any) -> None:

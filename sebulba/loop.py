@@ -389,7 +389,7 @@ class Sebulba:
                     errors=errors,
                     accounting=accounting,
                     lockstep=lockstep,
-                    action_poll_s=cfg.action_poll_s,
+                    action_poll_s=cfg.action_poll_seconds,
                 ))
         except BaseException:
             for _, _, source in sources:

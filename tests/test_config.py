@@ -33,8 +33,9 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"learner_devices": [1, 1]}, r"learner_devices lists a device twice"),
         ({"vectorization": "threads"}, r"vectorization must be one of .* got 'threads'"),
         ({"queue_capacity": -1}, r"queue_capacity must be an int >= 0, got -1"),
-        ({"action_poll_s": -0.001}, r"action_poll_s must be seconds in \[0, 1\], got -0.001"),
-        ({"action_poll_s": "1ms"}, r"action_poll_s must be seconds in \[0, 1\], got '1ms'"),
+        ({"action_poll_s": -0.001},
+         r"action_poll_s must be seconds in \[0, 1\] or None, got -0.001"),
+        ({"action_poll_s": "1ms"}, r"action_poll_s must be seconds in \[0, 1\] or None, got '1ms'"),
         ({"desync_episodes": 1}, r"desync_episodes must be a bool, got 1"),
         ({"env": "CartPole-v1", "vectorization": "vector_entry_point", "desync_episodes": True},
          r"desync_episodes wraps each env, so it needs vectorization 'sync' or 'async'"),
@@ -60,6 +61,13 @@ class MultiBinaryActionEnv(CountingEnv):
 def test_unsupported_spaces_are_rejected(env, message):
     with pytest.raises(ValueError, match=message):
         sebulba.env_spec(env)
+
+
+def test_action_polling_defaults_to_off_only_where_env_workers_need_the_cores():
+    assert sebulba.Config(env="CartPole-v1").action_poll_seconds == 0.0005
+    assert sebulba.Config(env="CartPole-v1", vectorization="async").action_poll_seconds == 0
+    given = sebulba.Config(env="CartPole-v1", vectorization="async", action_poll_s=0.002)
+    assert given.action_poll_seconds == 0.002  # a value given is kept
 
 
 def test_agent_built_for_another_env_is_rejected():
