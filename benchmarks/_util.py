@@ -86,6 +86,7 @@ def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int,
             vec.reset(seed=seed + i)
             for a in actions[i][:10]:  # async workers finish starting up
                 vec.step(a)
+
         def steps(vec, a) -> None:
             for x in a[10:]:
                 vec.step(x)

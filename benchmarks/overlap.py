@@ -5,9 +5,9 @@ steps/second of async_factor 1; issue 14 asks 1.9x. Acting only, with the simple
 gradient agent's own network (two layers of 64).
 
 What the machine allows, measured beside it: the bare vector envs alone, one group, and
-two groups stepped at once by two threads with no inference at all. Their ratio caps
-what double buffering can reach: on 2 cores the 16 worker processes of two groups of 8
-already step each other's envs slower (RESULTS.md).
+two groups stepped at once by two threads with no inference at all. Their ratio is what
+the envs themselves reach together: on 2 cores the 16 worker processes of two groups of
+8 already step each other's envs slower (about 1.86x, RESULTS.md).
 
 Records (JSON lines), for each number of envs per group and each of `--repeats` rounds:
 env_only for one and for two groups, then one sebulba record per async_factor; then the

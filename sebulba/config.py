@@ -209,8 +209,9 @@ class Config:
     @property
     def action_poll_seconds(self) -> float:
         """`action_poll_s`, None resolved. Subprocess env workers ("async") lose more to
-        a polling thread than it gains: on 2 cores, CartPole with two groups 11.9k against
-        11.0k steps/s, a 2 ms env 1-6% (benchmarks/RESULTS.md, 2026-11-25)."""
+        a polling thread than it gains: on 2 cores, CartPole with two groups 11.0k steps/s
+        polling against 11.9k without, a 2 ms env 1-6% slower polling
+        (benchmarks/RESULTS.md, 2026-11-25)."""
         if self.action_poll_s is not None:
             return self.action_poll_s
         return 0.0 if self.vectorization == "async" else 0.0005
