@@ -1,4 +1,5 @@
-"""Async env workers that die or cannot start: errors that name them, not a bare EOFError.
+"""Async env workers: the loop each one runs, and errors that name those that die or cannot
+start, not a bare EOFError.
 
 gymnasium's AsyncVectorEnv reports a worker killed by a signal, or one that failed to
 bootstrap because the main script has no `if __name__ == "__main__":` guard, as the pipe
@@ -15,10 +16,15 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
+from gymnasium.spaces.utils import is_space_dtype_shape_equiv
+from gymnasium.vector.utils import write_to_shared_memory
 
 # What a pipe to a worker process raises once the worker is gone.
 _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
@@ -155,3 +161,98 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             if error is None:
                 raise
             raise error from e
+
+
+def _observation_writer(space: gym.Space, index: int,
+                        shared_memory: Any) -> Callable[[Any], None]:
+    """Writes one env's observation into its row of the vector env's shared memory.
+
+    A base space's memory is one array: its row is viewed once, here. gymnasium's
+    `write_to_shared_memory` builds that view again at every step, which costs an async
+    worker about 20 us of CPU a step against 2 (RESULTS.md). Other spaces (Dict, Tuple)
+    go through gymnasium's writer.
+    """
+    if isinstance(shared_memory, (dict, tuple)):
+        return lambda obs: write_to_shared_memory(space, index, obs, shared_memory)
+    # The (num_envs, *shape) layout gymnasium's read_from_shared_memory reads back.
+    rows = np.frombuffer(shared_memory.get_obj(), dtype=space.dtype).reshape(-1, *space.shape)
+    row = rows[index:index + 1]
+
+    def write(obs: Any) -> None:
+        row[0] = obs
+    return write
+
+
+def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
+               parent_pipe: Connection, shared_memory: Any, error_queue: Any,
+               autoreset_mode: Any = gym.vector.AutoresetMode.NEXT_STEP,
+               semaphore: Any = None) -> None:
+    """The loop of one async env process, passed to AsyncVectorEnv as its `worker`.
+
+    It speaks gymnasium's worker protocol (the same commands, replies and error reports
+    as gymnasium's own worker), with the one autoreset mode sebulba uses, NEXT_STEP (the
+    step after an episode's last only resets), and observations written into the shared
+    memory through a row viewed once (`_observation_writer`). An error in the env is
+    sent to the parent, which raises it; the env is closed on the way out.
+    """
+    env = env_fn()  # as gymnasium's: an env that cannot be made ends the worker
+    parent_pipe.close()
+    try:
+        mode = gym.vector.AutoresetMode(autoreset_mode)
+        if mode != gym.vector.AutoresetMode.NEXT_STEP or semaphore is not None:
+            raise ValueError("sebulba's env worker runs NEXT_STEP autoreset with no "
+                             f"max_concurrency, got {mode} and {semaphore!r}")
+        if not shared_memory:
+            raise ValueError("sebulba's env worker writes observations to shared memory; "
+                             "the AsyncVectorEnv has shared_memory=False")
+        write = _observation_writer(env.observation_space, index, shared_memory)
+        autoreset = False
+        while True:
+            command, data = pipe.recv()
+            if command == "step":
+                if autoreset:
+                    obs, info = env.reset()
+                    reward, terminated, truncated = 0, False, False
+                else:
+                    obs, reward, terminated, truncated, info = env.step(data)
+                autoreset = terminated or truncated
+                write(obs)
+                pipe.send(((None, reward, terminated, truncated, info), True))
+            elif command == "reset":
+                obs, info = env.reset(**data)
+                autoreset = False
+                write(obs)
+                pipe.send(((None, info), True))
+            elif command == "close":
+                pipe.send((None, True))
+                break
+            else:
+                pipe.send((_answer(env, command, data), True))
+    except (KeyboardInterrupt, Exception):
+        error_type, error, _ = sys.exc_info()
+        error_queue.put((index, error_type, error, traceback.format_exc()))
+        pipe.send((None, False))
+    finally:
+        env.close()
+
+
+def _answer(env: gym.Env, command: str, data: Any) -> Any:
+    """The reply to one of the worker protocol's other commands."""
+    if command == "reset-noop":  # an env a partial reset leaves alone
+        return None, {}
+    if command == "_check_spaces":
+        obs_mode, observation_space, action_space = data
+        same = (observation_space == env.observation_space if obs_mode == "same"
+                else is_space_dtype_shape_equiv(observation_space, env.observation_space))
+        return same, action_space == env.action_space
+    if command == "_call":
+        name, args, kwargs = data
+        if name in ("reset", "step", "close", "_setattr", "_check_spaces"):
+            raise ValueError(f"call({name!r}) is not allowed: use the vector env's {name}")
+        attr = env.get_wrapper_attr(name)
+        return attr(*args, **kwargs) if callable(attr) else attr
+    if command == "_setattr":
+        name, value = data
+        env.set_wrapper_attr(name, value)
+        return None
+    raise RuntimeError(f"unknown async env worker command {command!r}")

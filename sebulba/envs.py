@@ -11,7 +11,12 @@ import gymnasium as gym
 import numpy as np
 
 from sebulba import observations
-from sebulba.async_workers import AsyncVectorEnv, check_main_guard, named_worker_deaths
+from sebulba.async_workers import (
+    AsyncVectorEnv,
+    check_main_guard,
+    env_worker,
+    named_worker_deaths,
+)
 from sebulba.types import EnvSpec, EnvStep
 from sebulba.wrappers import EnvWrapper, parse_wrappers, wrapper_function
 
@@ -346,7 +351,7 @@ def make_vector_env(
         else:
             check_main_guard(async_context)
             vec = AsyncVectorEnv([make_one] * num_envs, autoreset_mode=next_step,
-                                  context=async_context)
+                                 context=async_context, worker=env_worker)
     else:
         raise ValueError(f"vectorization {vectorization!r} is not one of gymnasium's: "
                          "make_vector_env makes 'sync', 'async' and 'vector_entry_point'")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -81,7 +82,9 @@ class RandomObservationEnv(gym.Env):
     action_space = gym.spaces.Discrete(2)
 
     def __init__(self, observation_space: gym.Space):
-        self.observation_space = observation_space
+        # Its own copy: the space draws the observations, and envs in one process would
+        # otherwise share (and reseed) one space's generator.
+        self.observation_space = copy.deepcopy(observation_space)
         self.t = 0
 
     def reset(self, *, seed=None, options=None):

@@ -1,0 +1,75 @@
+"""sebulba's async env worker: subprocess envs step exactly as the same envs in-process."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from sebulba.async_workers import env_worker
+from sebulba.envs import close_vector_env, make_vector_env
+from tests.envs import CountingEnv, RandomObservationEnv
+
+SPACES = {
+    "box": gym.spaces.Box(-2.0, 2.0, (3,), np.float32),
+    "rgb_frames": gym.spaces.Box(0, 255, (6, 8, 3), np.uint8),
+    "discrete": gym.spaces.Discrete(7),
+    "multi_discrete": gym.spaces.MultiDiscrete([3, 5]),
+    "multi_binary": gym.spaces.MultiBinary(4),
+    "float16": gym.spaces.Box(-1.0, 1.0, (2, 2), np.float16),
+}
+
+
+def rollout(vec: gym.vector.VectorEnv, steps: int) -> list[tuple[np.ndarray, ...]]:
+    """(obs, reward, terminated, truncated) of a reset and `steps` seeded random steps."""
+    obs, _ = vec.reset(seed=3)
+    out = [(np.array(obs),)]
+    actions = np.random.default_rng(0).integers(0, 2, (steps, vec.num_envs))
+    for a in actions:
+        obs, reward, terminated, truncated, _ = vec.step(a)
+        out.append((np.array(obs), reward, terminated, truncated))
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(SPACES))
+@pytest.mark.timeout(120)
+def test_async_envs_step_as_the_same_envs_in_process(kind, no_leftovers):
+    """Each env's observation lands in its own row, every step, over episode ends (the
+    step after an episode's last resets it)."""
+    env = functools.partial(RandomObservationEnv, SPACES[kind])
+    runs = {}
+    for vectorization in ("sync", "async"):
+        vec = make_vector_env(env, 3, vectorization)
+        try:
+            if vectorization == "async":
+                assert vec.worker is env_worker
+            runs[vectorization] = rollout(vec, 20)  # episodes of 8 steps
+        finally:
+            close_vector_env(vec)
+    assert runs["async"][0][0].dtype == SPACES[kind].dtype
+    for t, (sync, async_) in enumerate(zip(runs["sync"], runs["async"], strict=True)):
+        for a, b in zip(sync, async_, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{kind}, step {t}")
+    rows = runs["async"][5][0].reshape(3, -1)
+    assert len({r.tobytes() for r in rows}) > 1  # envs differ, so a row mix-up shows
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:.*(error|exception):UserWarning")
+def test_async_env_attributes_and_calls_reach_the_envs(no_leftovers):
+    vec = make_vector_env(functools.partial(CountingEnv, 5), 2, "async")
+    try:
+        vec.reset(seed=10)
+        assert vec.get_attr("env_id") == (10, 11)
+        vec.set_attr("episode_length", [2, 3])
+        assert vec.get_attr("episode_length") == (2, 3)
+        _, _, terminated, truncated, _ = vec.step(np.zeros(2, np.int64))
+        _, _, terminated2, _, _ = vec.step(np.zeros(2, np.int64))
+        assert not terminated.any() and not truncated.any()
+        assert terminated2.tolist() == [True, False]  # episode 0 of env 0 ends at step 2
+        with pytest.raises(ValueError, match="step"):
+            vec.call("step", 0)
+    finally:
+        close_vector_env(vec)
