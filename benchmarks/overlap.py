@@ -7,7 +7,7 @@ gradient agent's own network (two layers of 64).
 What the machine allows, measured beside it: the bare vector envs alone, one group, and
 two groups stepped at once by two threads with no inference at all. Their ratio is what
 the envs themselves reach together: on 2 cores the 16 worker processes of two groups of
-8 already step each other's envs slower (about 1.86x, RESULTS.md).
+8 already step each other's envs slower (1.90x to 1.95x, RESULTS.md).
 
 Records (JSON lines), for each number of envs per group and each of `--repeats` rounds:
 env_only for one and for two groups, then one sebulba record per async_factor; then the
