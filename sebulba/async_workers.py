@@ -163,24 +163,41 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             raise error from e
 
 
+# Spaces whose shared memory is one flat array of their dtype, `size` items per env.
+_FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
+                gym.spaces.MultiBinary)
+
+
 def _observation_writer(space: gym.Space, index: int,
                         shared_memory: Any) -> Callable[[Any], None]:
-    """Writes one env's observation into its row of the vector env's shared memory.
+    """Writes one env's observation into its slice of the vector env's shared memory.
 
-    A base space's memory is one array: its row is viewed once, here. gymnasium's
-    `write_to_shared_memory` builds that view again at every step, which costs an async
-    worker about 20 us of CPU a step against 2 (RESULTS.md). Other spaces (Dict, Tuple)
-    go through gymnasium's writer.
+    A Box, Discrete, MultiDiscrete or MultiBinary space's memory is one flat array: the
+    env's slice of it is viewed once, here, and each observation is flattened into it
+    (as gymnasium does, so an observation of the space's size in another shape is
+    written too). gymnasium's `write_to_shared_memory` builds that view again at every
+    step, which costs an async worker about 22 us of CPU a step against 2 (RESULTS.md).
+    Other spaces (Dict, Tuple, Text, ...) go through gymnasium's writer.
     """
-    if isinstance(shared_memory, (dict, tuple)):
+    if not isinstance(space, _FLAT_SPACES):
         return lambda obs: write_to_shared_memory(space, index, obs, shared_memory)
-    # The (num_envs, *shape) layout gymnasium's read_from_shared_memory reads back.
-    rows = np.frombuffer(shared_memory.get_obj(), dtype=space.dtype).reshape(-1, *space.shape)
-    row = rows[index:index + 1]
+    size = int(np.prod(space.shape))
+    flat = np.frombuffer(shared_memory.get_obj(), dtype=space.dtype)
+    row = flat[index * size:(index + 1) * size]
 
     def write(obs: Any) -> None:
-        row[0] = obs
+        row[...] = np.ravel(obs)
     return write
+
+
+def _check_supported(autoreset_mode: Any, semaphore: Any, shared_memory: Any) -> None:
+    mode = gym.vector.AutoresetMode(autoreset_mode)
+    if mode != gym.vector.AutoresetMode.NEXT_STEP or semaphore is not None:
+        raise ValueError("sebulba's env worker runs NEXT_STEP autoreset with no "
+                         f"max_concurrency, got {mode} and semaphore {semaphore!r}")
+    if shared_memory is None:
+        raise ValueError("sebulba's env worker writes observations to shared memory; "
+                         "the AsyncVectorEnv has shared_memory=False")
 
 
 def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
@@ -192,23 +209,20 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
     It speaks gymnasium's worker protocol (the same commands, replies and error reports
     as gymnasium's own worker), with the one autoreset mode sebulba uses, NEXT_STEP (the
     step after an episode's last only resets), and observations written into the shared
-    memory through a row viewed once (`_observation_writer`). An error in the env is
-    sent to the parent, which raises it; the env is closed on the way out.
+    memory through a slice viewed once (`_observation_writer`). An error, the env's or
+    an unsupported setting's, is the reply to the command under way, which the parent
+    raises; the env is closed on the way out.
     """
     env = env_fn()  # as gymnasium's: an env that cannot be made ends the worker
     parent_pipe.close()
     try:
-        mode = gym.vector.AutoresetMode(autoreset_mode)
-        if mode != gym.vector.AutoresetMode.NEXT_STEP or semaphore is not None:
-            raise ValueError("sebulba's env worker runs NEXT_STEP autoreset with no "
-                             f"max_concurrency, got {mode} and {semaphore!r}")
-        if not shared_memory:
-            raise ValueError("sebulba's env worker writes observations to shared memory; "
-                             "the AsyncVectorEnv has shared_memory=False")
-        write = _observation_writer(env.observation_space, index, shared_memory)
+        write = None  # made at the first reset or step, after the parent checked the spaces
         autoreset = False
         while True:
             command, data = pipe.recv()
+            if write is None and command in ("reset", "step"):
+                _check_supported(autoreset_mode, semaphore, shared_memory)
+                write = _observation_writer(env.observation_space, index, shared_memory)
             if command == "step":
                 if autoreset:
                     obs, info = env.reset()

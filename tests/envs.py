@@ -95,7 +95,8 @@ class RandomObservationEnv(gym.Env):
         return self._obs, {}
 
     def step(self, action):
-        target = int(np.asarray(self._obs).reshape(-1)[0]) % 2
+        first = next(iter(self._obs.values())) if isinstance(self._obs, dict) else self._obs
+        target = int(np.asarray(first).reshape(-1)[0]) % 2
         self.t += 1
         self._obs = self.observation_space.sample()
         return self._obs, float(action == target), self.t >= 8, False, {}
