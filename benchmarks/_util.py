@@ -125,15 +125,22 @@ def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
     return group_size * batches / seconds
 
 
-def inference_only(agent, num_envs: int, calls: int, seed: int) -> float:
+# How the calibrations below fetch an action: as the loop does by default, polling for up
+# to 0.5 ms before sleeping on it (`Config.action_poll_seconds`; a sleeping thread wakes
+# late). Async vectorization's loop does not poll; its calibrations take poll_s=0.
+POLL_S = 0.0005
+
+
+def inference_only(agent, num_envs: int, calls: int, seed: int,
+                   poll_s: float = POLL_S) -> float:
     """Steps/second of `jax.jit(agent.step)` on `num_envs` host observations with the
     action fetched to the host, one call after the other (the framework's work per
     step at the least: it also records the step in the trajectory)."""
     import jax
-    import numpy as np
 
     import sebulba
     from sebulba.envs import example_env_step
+    from sebulba.inferencer import fetch_polling
 
     key = jax.random.key(seed)
     nets = agent.new_networks(key)
@@ -146,7 +153,7 @@ def inference_only(agent, num_envs: int, calls: int, seed: int) -> float:
     def steps(n: int, step_state):
         for _ in range(n):
             out, step_state = step(step_state, nets, env_step)
-            np.asarray(out.action)
+            fetch_polling(out.action, poll_s)
         return step_state
 
     step_state = steps(10, step_state)  # compiled and warm
@@ -189,7 +196,8 @@ def learner_only(loop, updates: int, seed: int = 0) -> float:
     return updates * len(items) * size * steps / (time.perf_counter() - t0)
 
 
-def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int) -> float:
+def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,
+              poll_s: float = POLL_S) -> float:
     """Steps/second of the least a loop must do, with no framework: step the vector env,
     one jitted `agent.step` on its output, fetch the action, repeat. No trajectory, no
     episode accounting, no queue: a calibration for what the machine allows."""
@@ -197,6 +205,7 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int) 
     import numpy as np
 
     import sebulba
+    from sebulba.inferencer import fetch_polling
 
     vec = make_vec()
     try:
@@ -212,7 +221,8 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int) 
         def steps(n: int, step_state, env_step):
             for _ in range(n):
                 out, step_state = step(step_state, nets, env_step)
-                obs, reward, terminated, truncated, _ = vec.step(np.asarray(out.action))
+                action = fetch_polling(out.action, poll_s)
+                obs, reward, terminated, truncated, _ = vec.step(action)
                 env_step = sebulba.EnvStep(obs, reward.astype(np.float32), terminated,
                                            truncated, flags)
             return step_state, env_step
@@ -226,7 +236,7 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int) 
 
 
 def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batches: int,
-                   seed: int) -> float:
+                   seed: int, poll_s: float = POLL_S) -> float:
     """`bare_loop` for an EnvPool of num_groups x group_size envs, batch group_size. With
     several groups one batch is held back while the next one's inference runs (as the
     loop pipelines): recv, dispatch the jitted step, fetch the previous batch's actions
@@ -236,6 +246,7 @@ def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batche
 
     import sebulba
     from sebulba.envpool_source import make_pool
+    from sebulba.inferencer import fetch_polling
 
     pool = make_pool(task_id, num_groups * group_size, group_size, seed)
     try:
@@ -253,10 +264,10 @@ def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batche
             out, step_state = step(step_state, nets, sebulba.EnvStep(
                 obs, reward.astype(np.float32), terminated, truncated, flags))
             if pending is not None:
-                pool.send(np.asarray(pending[0].action), pending[1])
+                pool.send(fetch_polling(pending[0].action, poll_s), pending[1])
             pending = (out, info["env_id"])
             if num_groups == 1:
-                pool.send(np.asarray(out.action), info["env_id"])
+                pool.send(fetch_polling(out.action, poll_s), info["env_id"])
                 pending = None
         return group_size * batches / (time.perf_counter() - t0)
     finally:

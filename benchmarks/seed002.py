@@ -6,6 +6,8 @@ and inference-only throughput (one jitted `agent.step` on the group's observatio
 the action back on the host, call after call). For calibration, the bare loop: the same
 vector env (or pool, pipelined) and jitted step in a loop with no framework at all, no
 trajectory and no accounting (`_util.bare_loop`), what this machine allows such a loop.
+Both fetch the action as the loop does by default: polling for it for up to 0.5 ms
+before sleeping on it (not with "async"), since a sleeping thread wakes late.
 
 Records (JSON lines): meta, then per repeat env_only, inference_only and one sebulba
 record per configuration (repeats interleave, so a change of machine load hits every
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         measure(loop, cycles=1)  # compiles; every later run reuses what it compiled
 
     envs, infer, runs, bare = (collections.defaultdict(list) for _ in range(4))
+    # The bare loops fetch actions as the loop of their vectorization does by default.
+    poll = {v: sebulba.Config(env=ENV_ID, vectorization=v).action_poll_seconds
+            for v in args.vectorizations}
     for repeat in range(args.repeats):
         for e in args.envs_per_group:
             for v in args.vectorizations:
@@ -94,10 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                           "steps_per_second": round(sps, 1)})
                     if v == "envpool":
                         sps = bare_pool_loop(agent, ENV_ID, e, af, vector_steps * af,
-                                             args.seed)
+                                             args.seed, poll_s=poll[v])
                     else:
                         sps = bare_loop(agent, lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
-                                        vector_steps, args.seed)
+                                        vector_steps, args.seed, poll_s=poll[v])
                     bare[v, e, af].append(sps)
                     emit({"record": "bare_loop", "repeat": repeat, "vectorization": v,
                           "async_factor": af, "envs_per_group": e,
