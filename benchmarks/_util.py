@@ -125,22 +125,25 @@ def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
     return group_size * batches / seconds
 
 
-# How the calibrations below fetch an action: as the loop does by default, polling for up
-# to 0.5 ms before sleeping on it (`Config.action_poll_seconds`; a sleeping thread wakes
-# late). Async vectorization's loop does not poll; its calibrations take poll_s=0.
-POLL_S = 0.0005
+# The calibrations below fetch an action as the loop does by default, polling for it
+# before sleeping on it (`Config.action_poll_seconds`; a sleeping thread wakes late):
+# poll_s None is the loop's default poll. Async vectorization's loop does not poll; its
+# calibrations take poll_s=0.
 
 
 def inference_only(agent, num_envs: int, calls: int, seed: int,
-                   poll_s: float = POLL_S) -> float:
+                   poll_s: float | None = None) -> float:
     """Steps/second of `jax.jit(agent.step)` on `num_envs` host observations with the
     action fetched to the host, one call after the other (the framework's work per
     step at the least: it also records the step in the trajectory)."""
     import jax
 
     import sebulba
+    from sebulba.config import DEFAULT_ACTION_POLL_S
     from sebulba.envs import example_env_step
     from sebulba.inferencer import fetch_polling
+
+    poll_s = DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
 
     key = jax.random.key(seed)
     nets = agent.new_networks(key)
@@ -197,7 +200,7 @@ def learner_only(loop, updates: int, seed: int = 0) -> float:
 
 
 def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,
-              poll_s: float = POLL_S) -> float:
+              poll_s: float | None = None) -> float:
     """Steps/second of the least a loop must do, with no framework: step the vector env,
     one jitted `agent.step` on its output, fetch the action, repeat. No trajectory, no
     episode accounting, no queue: a calibration for what the machine allows."""
@@ -205,7 +208,10 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,
     import numpy as np
 
     import sebulba
+    from sebulba.config import DEFAULT_ACTION_POLL_S
     from sebulba.inferencer import fetch_polling
+
+    poll_s = DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
 
     vec = make_vec()
     try:
@@ -236,7 +242,7 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,
 
 
 def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batches: int,
-                   seed: int, poll_s: float = POLL_S) -> float:
+                   seed: int, poll_s: float | None = None) -> float:
     """`bare_loop` for an EnvPool of num_groups x group_size envs, batch group_size. With
     several groups one batch is held back while the next one's inference runs (as the
     loop pipelines): recv, dispatch the jitted step, fetch the previous batch's actions
@@ -245,8 +251,11 @@ def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batche
     import numpy as np
 
     import sebulba
+    from sebulba.config import DEFAULT_ACTION_POLL_S
     from sebulba.envpool_source import make_pool
     from sebulba.inferencer import fetch_polling
+
+    poll_s = DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
 
     pool = make_pool(task_id, num_groups * group_size, group_size, seed)
     try:

@@ -21,6 +21,11 @@ from sebulba.wrappers import EnvWrapper, parse_wrappers
 DeviceLike = int | jax.Device
 
 
+# How long an inferencer polls for an action before sleeping on it, by default, unless its
+# envs run in subprocesses (`Config.action_poll_seconds`).
+DEFAULT_ACTION_POLL_S = 0.0005
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """What a run collects from, and where it acts and learns.
@@ -214,7 +219,7 @@ class Config:
         (benchmarks/RESULTS.md, 2026-11-25)."""
         if self.action_poll_s is not None:
             return self.action_poll_s
-        return 0.0 if self.vectorization == "async" else 0.0005
+        return 0.0 if self.vectorization == "async" else DEFAULT_ACTION_POLL_S
 
 
 def _positive(name: str, value: Any) -> None:
