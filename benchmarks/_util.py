@@ -125,10 +125,14 @@ def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
     return group_size * batches / seconds
 
 
-# The calibrations below fetch an action as the loop does by default, polling for it
-# before sleeping on it (`Config.action_poll_seconds`; a sleeping thread wakes late):
-# poll_s None is the loop's default poll. Async vectorization's loop does not poll; its
-# calibrations take poll_s=0.
+def _poll_seconds(poll_s: float | None) -> float:
+    """How the calibrations below fetch an action: as the loop does by default, polling
+    for it before sleeping on it (`Config.action_poll_seconds`; a sleeping thread wakes
+    late). None is the loop's default poll; async vectorization's loop does not poll, so
+    its calibrations take 0."""
+    from sebulba.config import DEFAULT_ACTION_POLL_S
+
+    return DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
 
 
 def inference_only(agent, num_envs: int, calls: int, seed: int,
@@ -139,11 +143,10 @@ def inference_only(agent, num_envs: int, calls: int, seed: int,
     import jax
 
     import sebulba
-    from sebulba.config import DEFAULT_ACTION_POLL_S
     from sebulba.envs import example_env_step
     from sebulba.inferencer import fetch_polling
 
-    poll_s = DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
+    poll_s = _poll_seconds(poll_s)
 
     key = jax.random.key(seed)
     nets = agent.new_networks(key)
@@ -208,10 +211,9 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,
     import numpy as np
 
     import sebulba
-    from sebulba.config import DEFAULT_ACTION_POLL_S
     from sebulba.inferencer import fetch_polling
 
-    poll_s = DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
+    poll_s = _poll_seconds(poll_s)
 
     vec = make_vec()
     try:
@@ -251,11 +253,10 @@ def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batche
     import numpy as np
 
     import sebulba
-    from sebulba.config import DEFAULT_ACTION_POLL_S
     from sebulba.envpool_source import make_pool
     from sebulba.inferencer import fetch_polling
 
-    poll_s = DEFAULT_ACTION_POLL_S if poll_s is None else poll_s
+    poll_s = _poll_seconds(poll_s)
 
     pool = make_pool(task_id, num_groups * group_size, group_size, seed)
     try:
