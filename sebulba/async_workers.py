@@ -13,6 +13,8 @@ import ast
 import contextlib
 import multiprocessing
 import os
+import pickle
+import queue
 import signal
 import sys
 import time
@@ -146,21 +148,99 @@ def named_worker_deaths(vec: gym.vector.VectorEnv, during: str) -> Iterator[None
         raise error from e
 
 
+class RemoteTraceback(Exception):
+    """The traceback of an error raised in an async env worker, as the worker formatted
+    it: the `__cause__` of that error where the parent re-raises it."""
+
+    def __str__(self) -> str:
+        return f"\n\n{self.args[0]}"
+
+
+# How long the parent waits for the error report of a worker that replied "failed": the
+# worker puts it on the error queue before it replies, so it is there or on its way.
+ERROR_REPORT_TIMEOUT_S = 10.0
+# How long closing waits for terminated workers before it kills them.
+CLOSE_TIMEOUT_S = 5.0
+
+
 class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
-    """gymnasium's AsyncVectorEnv, whose workers dying while it starts are an error
-    naming them (gymnasium's is the bare pipe error), with no worker left behind."""
+    """gymnasium's AsyncVectorEnv, with errors that keep their origin and a close that
+    cannot hang:
+    - a worker's error is re-raised as the env raised it (gymnasium wraps it in a new
+      exception of its type), with the worker's traceback as its cause;
+    - workers dying while it starts are an error naming them (gymnasium's is the bare
+      pipe error), and no worker outlives a failed start, whatever the error;
+    - `close(terminate=True)` kills a worker that outlives SIGTERM by `CLOSE_TIMEOUT_S`,
+      where gymnasium would wait for it forever.
+    """
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **kwargs: Any):
         try:
             super().__init__(env_fns, **kwargs)
-        except _PIPE_ERRORS as e:
-            error = worker_death_error(getattr(self, "processes", []), "starting",
-                                       kwargs.get("context"))
-            if hasattr(self, "_state"):
-                self.close(terminate=True)
+        except BaseException as e:
+            error = None
+            if isinstance(e, _PIPE_ERRORS):
+                error = worker_death_error(getattr(self, "processes", []), "starting",
+                                           kwargs.get("context"))
+            self._stop_workers()
             if error is None:
                 raise
             raise error from e
+
+    def _raise_if_errors(self, successes: Sequence[bool]) -> None:
+        successes = list(successes)
+        if all(successes):
+            return
+        failed = [i for i, ok in enumerate(successes) if not ok]
+        reports = []
+        try:
+            for _ in failed:
+                reports.append(self.error_queue.get(timeout=ERROR_REPORT_TIMEOUT_S))
+        except queue.Empty:
+            pass
+        except Exception as e:  # noqa: BLE001 - a report that cannot be unpickled
+            reports.append((failed[len(reports)], RuntimeError, RuntimeError(
+                f"its error report could not be read: {type(e).__name__}: {e}"), ""))
+        for index in failed:  # as gymnasium: a failed worker has ended; its pipe goes
+            if self.parent_pipes[index] is not None:
+                self.parent_pipes[index].close()
+                self.parent_pipes[index] = None
+        self._state = gym.vector.async_vector_env.AsyncState.DEFAULT
+        if not reports:
+            raise RuntimeError(f"async env workers {failed} of {self.num_envs} failed and "
+                               f"sent no error report within {ERROR_REPORT_TIMEOUT_S}s")
+        index, error_type, error, trace = reports[0]
+        if not isinstance(error, BaseException):
+            error = error_type(error)
+        others = f"; workers {failed} of {self.num_envs} failed" if len(failed) > 1 else ""
+        error.__cause__ = RemoteTraceback(f"async env worker {index}{others}\n{trace}")
+        raise error
+
+    def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
+        if not terminate:
+            super().close_extras(timeout, terminate)
+            return
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        """Terminates every worker (nothing under way is waited for), closes the pipes and
+        reaps the workers, killing those still alive after `CLOSE_TIMEOUT_S`."""
+        processes = getattr(self, "processes", [])
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for pipe in getattr(self, "parent_pipes", []):
+            if pipe is not None:
+                pipe.close()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():  # it handles or ignores SIGTERM, or is stuck in C
+                process.kill()
+                process.join()
+        if hasattr(self, "_state"):
+            self._state = gym.vector.async_vector_env.AsyncState.DEFAULT
 
 
 # Spaces whose shared memory is one flat array of their dtype, `size` items per env.
@@ -213,13 +293,22 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
     an unsupported setting's, is the reply to the command under way, which the parent
     raises; the env is closed on the way out.
     """
-    env = env_fn()  # as gymnasium's: an env that cannot be made ends the worker
+    # The parent decides when a worker ends: Ctrl-C reaches every process of the terminal's
+    # group, and a forked worker inherits the parent's handlers (a graceful SIGTERM stop,
+    # with which `terminate()` would not end it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     parent_pipe.close()
+    env = None
     try:
+        env = env_fn()
         write = None  # made at the first reset or step, after the parent checked the spaces
         autoreset = False
         while True:
-            command, data = pipe.recv()
+            try:
+                command, data = pipe.recv()
+            except _PIPE_ERRORS:  # the parent closed its end: nothing to answer
+                break
             if write is None and command in ("reset", "step"):
                 _check_supported(autoreset_mode, semaphore, shared_memory)
                 write = _observation_writer(env.observation_space, index, shared_memory)
@@ -242,12 +331,32 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
                 break
             else:
                 pipe.send((_answer(env, command, data), True))
-    except (KeyboardInterrupt, Exception):
-        error_type, error, _ = sys.exc_info()
-        error_queue.put((index, error_type, error, traceback.format_exc()))
+    except (KeyboardInterrupt, Exception):  # the reply to the command under way (or the
+        error_type, error, _ = sys.exc_info()  # first one, for an env that cannot be made)
+        error_queue.put(_error_report(index, error_type, error, traceback.format_exc()))
+        if env is None:  # not made: reply to the parent's first command, not before it
+            with contextlib.suppress(*_PIPE_ERRORS):
+                pipe.recv()
         pipe.send((None, False))
     finally:
-        env.close()
+        if env is not None:
+            env.close()
+
+
+def _error_report(index: int, error_type: type, error: BaseException,
+                  trace: str) -> tuple[int, type, BaseException, str]:
+    """What the error queue carries for the parent to re-raise. The queue pickles it in a
+    background thread that only prints a failure, and the parent would wait forever for
+    the lost report: an error that does not survive pickling is sent as a RuntimeError
+    naming it instead."""
+    report = (index, error_type, error, trace)
+    try:
+        pickle.loads(pickle.dumps(report))
+        return report
+    except Exception as e:  # noqa: BLE001 - any pickling failure
+        message = (f"{error_type.__name__}: {error} (the env's error could not be sent "
+                   f"from its worker as it is: {type(e).__name__}: {e})")
+        return index, RuntimeError, RuntimeError(message), trace
 
 
 def _answer(env: gym.Env, command: str, data: Any) -> Any:

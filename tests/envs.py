@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
+import signal
+import threading
 import time
 
 import gymnasium as gym
@@ -58,6 +61,72 @@ class FaultyEnv(CountingEnv):
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError(f"env fault at step {self.steps}")
+        return super().step(action)
+
+
+class EnvStepError(Exception):
+    """An env's own error type, which callers catch by type."""
+
+
+class UnpicklableError(Exception):
+    """An error holding a lock: it cannot leave its process as it is."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class TwoArgumentError(Exception):
+    """Pickles, but cannot be unpickled: its args are not its constructor's."""
+
+    def __init__(self, what: str, step: int):
+        super().__init__(f"{what} at step {step}")
+
+
+class RaisingEnv(CountingEnv):
+    """Raises an error of kind `kind` ("own", "unpicklable", "two_arguments") at its
+    first step."""
+
+    ERRORS = {"own": lambda: EnvStepError("the env's own error"),
+              "unpicklable": lambda: UnpicklableError("an error holding a lock"),
+              "two_arguments": lambda: TwoArgumentError("a two-argument error", 1)}
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def step(self, action):
+        raise self.ERRORS[self.kind]()
+
+
+class MadeOnlyInTheParentEnv(CountingEnv):
+    """Cannot be made in a worker process (as an env whose module a worker cannot import)."""
+
+    def __init__(self):
+        if multiprocessing.parent_process() is not None:
+            raise EnvStepError("this env cannot be made in a worker")
+        super().__init__()
+
+
+class SpaceByProcessEnv(CountingEnv):
+    """Its observation space's bound is its process id: workers disagree with the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.observation_space = gym.spaces.Box(-1.0, float(os.getpid()), (3,), np.float32)
+
+
+class IgnoresSigtermEnv(CountingEnv):
+    """Ignores SIGTERM once reset (in a worker: `terminate()` does not end it); action 1
+    is a step that never ends."""
+
+    def reset(self, *, seed=None, options=None):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        while action == 1:
+            time.sleep(1.0)
         return super().step(action)
 
 

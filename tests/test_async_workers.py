@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
+import re
+import signal
+import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
 
-from sebulba.async_workers import AsyncVectorEnv, env_worker
+from sebulba import async_workers
+from sebulba.async_workers import AsyncVectorEnv, RemoteTraceback, env_worker
 from sebulba.envs import close_vector_env, make_vector_env
-from tests.envs import CountingEnv, RandomObservationEnv
+from tests.envs import (
+    CountingEnv,
+    EnvStepError,
+    IgnoresSigtermEnv,
+    MadeOnlyInTheParentEnv,
+    RaisingEnv,
+    RandomObservationEnv,
+    SpaceByProcessEnv,
+)
 
 SPACES = {
     "box": gym.spaces.Box(-2.0, 2.0, (3,), np.float32),
@@ -99,5 +113,74 @@ def test_the_worker_refuses_an_autoreset_mode_it_does_not_run(no_leftovers):
     try:
         with pytest.raises(ValueError, match="NEXT_STEP autoreset"):
             vec.reset(seed=0)
+    finally:
+        close_vector_env(vec)
+
+
+@pytest.mark.parametrize("kind,raised,message", [
+    ("own", EnvStepError, "the env's own error"),
+    # Neither can leave the worker as it is: the report names it in a RuntimeError (the
+    # queue would lose it, and the parent wait for it forever).
+    ("unpicklable", RuntimeError, "UnpicklableError: an error holding a lock"),
+    ("two_arguments", RuntimeError, "TwoArgumentError: a two-argument error at step 1"),
+])
+@pytest.mark.timeout(60)
+def test_a_workers_error_is_raised_as_the_env_raised_it(kind, raised, message, no_leftovers):
+    vec = make_vector_env(functools.partial(RaisingEnv, kind), 2, "async")
+    try:
+        vec.reset(seed=0)
+        with pytest.raises(raised, match=re.escape(message)) as info:
+            vec.step(np.zeros(2, np.int64))
+        assert type(info.value.args[0]) is str  # the error itself, not one wrapping it
+        cause = info.value.__cause__  # the worker's traceback, down to the env's frame
+        assert isinstance(cause, RemoteTraceback)
+        assert "in step" in str(cause) and "raise self.ERRORS" in str(cause)
+        assert "workers [0, 1] of 2 failed" in str(cause)
+    finally:
+        close_vector_env(vec)
+
+
+@pytest.mark.timeout(60)
+def test_an_env_that_cannot_be_made_in_its_worker_raises_its_own_error(no_leftovers):
+    with pytest.raises(EnvStepError, match="cannot be made in a worker") as info:
+        make_vector_env(MadeOnlyInTheParentEnv, 2, "async")
+    cause = str(info.value.__cause__)  # the worker's traceback, down to the constructor
+    assert "in __init__" in cause and 'raise EnvStepError("this env cannot' in cause
+
+
+@pytest.mark.timeout(60)
+def test_no_worker_outlives_a_failed_start(no_leftovers):
+    # gymnasium's space check fails in the parent, after the workers started.
+    with pytest.raises(RuntimeError, match="observation space"):
+        make_vector_env(SpaceByProcessEnv, 2, "async")
+    assert multiprocessing.active_children() == []  # at once: no garbage collection needed
+
+
+@pytest.mark.timeout(60)
+def test_closing_kills_a_worker_that_ignores_sigterm(monkeypatch, no_leftovers):
+    monkeypatch.setattr(async_workers, "CLOSE_TIMEOUT_S", 0.5)
+    vec = make_vector_env(IgnoresSigtermEnv, 2, "async")
+    vec.reset(seed=0)
+    vec.step_async(np.ones(2, np.int64))  # stuck in their steps, deaf to SIGTERM
+    processes = list(vec.processes)
+    start = time.monotonic()
+    close_vector_env(vec)
+    assert time.monotonic() - start < 10
+    assert [p.exitcode for p in processes] == [-signal.SIGKILL] * 2
+
+
+@pytest.mark.timeout(60)
+def test_workers_leave_ctrl_c_to_the_parent(no_leftovers):
+    """Ctrl-C reaches every process of the terminal's group; the parent stops the run,
+    so a worker must not die of it (it would end the run as an env error)."""
+    vec = make_vector_env(functools.partial(CountingEnv, 5), 2, "async")
+    try:
+        vec.reset(seed=0)
+        for p in vec.processes:
+            os.kill(p.pid, signal.SIGINT)
+        time.sleep(0.5)
+        obs, *_ = vec.step(np.zeros(2, np.int64))
+        np.testing.assert_array_equal(obs[:, 2], [1, 1])
+        assert all(p.is_alive() for p in vec.processes)
     finally:
         close_vector_env(vec)

@@ -17,7 +17,7 @@ import pytest
 
 import sebulba
 from tests.counting_agent import CountingAgent
-from tests.envs import CountingEnv, FaultyEnv
+from tests.envs import CountingEnv, FaultyEnv, RaisingEnv
 
 COUNTING = functools.partial(CountingEnv, 5)
 
@@ -34,6 +34,15 @@ def test_env_error_reraises_in_caller(vectorization, no_leftovers):
     loop = make_loop(env=functools.partial(FaultyEnv, 30), vectorization=vectorization)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="env fault at step 30"):
+        loop.run(10**9)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(120)
+def test_an_env_error_that_cannot_leave_its_worker_still_stops_the_run(no_leftovers):
+    loop = make_loop(env=functools.partial(RaisingEnv, "unpicklable"), vectorization="async")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="UnpicklableError: an error holding a lock"):
         loop.run(10**9)
     assert time.monotonic() - start < 60
 
