@@ -57,8 +57,8 @@ def str_list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
-def median(values: Sequence[float]) -> float:
-    return round(float(statistics.median(values)), 1)
+def median(values: Sequence[float], digits: int = 1) -> float:
+    return round(float(statistics.median(values)), digits)
 
 
 def ratio(a: float, b: float) -> float:
@@ -289,17 +289,27 @@ def measure(loop, cycles: int) -> dict[str, Any]:
 
     `loop` keeps its compiled functions between runs, so warm it up with one run first.
     Stage times are summed over the inferencer threads and given per vector env step
-    of one group, to compare with the bounds.
+    of one group, to compare with the bounds. `process_cpu_cores` is this process's CPU
+    time over the run's wall time: with as many as the machine has, the run is CPU-bound
+    and only less work per step makes it faster.
     """
+    import resource
+
     cfg = loop.config
     rows = loop.rows_per_group  # envs, or envs x agents of a multi-agent env
+    cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     result = loop.run(cycles * cfg.steps_per_cycle * rows * cfg.num_groups, learn=False)
+    cpu1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    cpu_seconds = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     vector_steps = result.env_steps / rows
     return {
         "vectorization": cfg.vectorization, "async_factor": cfg.async_factor,
         "envs_per_group": cfg.envs_per_group, "steps_per_cycle": cfg.steps_per_cycle,
         "steps_per_second": round(result.steps_per_second, 1),
         "env_steps": result.env_steps, "wall_seconds": round(result.wall_seconds, 3),
+        # Cores this process kept busy (all its threads: the loop's, XLA's, EnvPool's;
+        # not env worker processes), of os.cpu_count(): near it, the run is CPU-bound.
+        "process_cpu_cores": round(cpu_seconds / (t1 - t0), 2),
         "us_per_vector_step": {k: round(1e6 * v / vector_steps, 1)
                                for k, v in sorted(result.stage_seconds.items())},
     }

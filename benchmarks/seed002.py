@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 
 from benchmarks._util import (
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     for loop in loops.values():
         measure(loop, cycles=1)  # compiles; every later run reuses what it compiled
 
-    envs, infer, runs, bare = (collections.defaultdict(list) for _ in range(4))
+    envs, infer, runs, bare, cores = (collections.defaultdict(list) for _ in range(5))
     # The bare loops fetch actions as the loop of their vectorization does by default.
     poll = {v: sebulba.Config(env=ENV_ID, vectorization=v).action_poll_seconds
             for v in args.vectorizations}
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         for key, loop in loops.items():
             rec = measure(loop, args.cycles)
             runs[key].append(rec["steps_per_second"])
+            cores[key].append(rec["process_cpu_cores"])
             emit({"record": "sebulba", "repeat": repeat, **rec})
 
     for (v, af, e), values in runs.items():
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             "bare_loop": bare_sps, "ratio_to_bare_loop": ratio(sps, bare_sps),
             "bare_loop_to_bound": ratio(bare_sps, bound),
             "bare_loop_to_serial_bound": ratio(bare_sps, serial),
+            "process_cpu_cores": median(cores[v, af, e], 2), "cpu_count": os.cpu_count(),
         }
         if v == "sync":
             summary["meets_target"] = sps >= TARGET_STEPS_PER_SECOND
