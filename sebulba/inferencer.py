@@ -19,7 +19,8 @@ holds `async_factor` groups in one pool whose `recv` returns whichever E envs fi
 Only the action's transfer stands between the acting call and the env step; the rest of
 the host's work overlaps the device's (JAX dispatches asynchronously). Each env keeps its
 own cycle and cursor, so envs of a group need not step together: an EnvPool env may run
-up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest. Trajectories are
+up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest, and is held back there
+(`_HoldBack`) until that env's cycle is pushed. Trajectories are
 built in host memory and go to the learner devices in one transfer per device per cycle;
 the acting call carries only the step's data, not the trajectory (recording on the
 device instead saves the by-id loop at most 5%: RESULTS.md, 2026-11-25).
@@ -44,7 +45,7 @@ from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.types import ActorOutput, EnvStep, StepState, Trajectory
 
 # Cycles of one group that may be open at once: the slowest env's and those of envs
-# that ran ahead of it. Past that, an env has run a whole cycle ahead: an error.
+# that ran ahead of it. An env about to open one more is held back (`_HoldBack`).
 MAX_PENDING_CYCLES = 3
 _SNAPSHOT_SLOTS = MAX_PENDING_CYCLES + 1  # a cycle's final StepState is the next's initial
 
@@ -241,6 +242,59 @@ class _Slots(NamedTuple):
         return _Slots(ids - groups * size, t, keys, only)
 
 
+class _HoldBack:
+    """Envs of a by-id source kept from stepping because they ran too far ahead of the
+    slowest env of their group: their actions are kept, and sent once that env's cycle
+    is pushed.
+
+    With three or more groups in one pool two batches step at once, and recv returns
+    whichever envs finish first: an env's lead over the slowest of its group grows like a
+    random walk, without bound (two groups keep their batches: one steps while the other
+    is in inference). An env whose next step would open a cycle `MAX_PENDING_CYCLES`
+    after its group's oldest open one waits instead. At most `capacity` envs wait, so
+    that a recv always has a batch of envs stepping to return.
+    """
+
+    def __init__(self, capacity: int, group_size: int, steps_per_cycle: int):
+        self.capacity = capacity
+        self.group_size = group_size
+        self.steps = steps_per_cycle
+        self.ids = np.zeros(0, np.int64)
+        self.actions: np.ndarray | None = None
+
+    def split(self, ids: np.ndarray, actions: np.ndarray, cycle: np.ndarray,
+              cursor: np.ndarray, oldest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, actions) of a batch to send now; the others are held. `cursor` is
+        the envs' count of actions before these."""
+        room = self.capacity - len(self.ids)
+        if room <= 0:
+            return ids, actions
+        last = cursor[ids] == self.steps - 1  # this action's step ends the env's cycle
+        if not last.any():  # the usual case: one check a batch
+            return ids, actions
+        opens = cycle[ids] + 1 - oldest[ids // self.group_size]  # the cycle it would open
+        hold = last & (opens >= MAX_PENDING_CYCLES)
+        hold &= np.cumsum(hold) <= room
+        if not hold.any():
+            return ids, actions
+        self.ids = np.concatenate([self.ids, ids[hold]])
+        self.actions = (actions[hold] if self.actions is None
+                        else np.concatenate([self.actions, actions[hold]]))
+        return ids[~hold], actions[~hold]
+
+    def release(self, cycle: np.ndarray, oldest: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (ids, actions) of held envs whose group has caught up, no longer held."""
+        if not len(self.ids):
+            return None
+        free = cycle[self.ids] + 1 - oldest[self.ids // self.group_size] < MAX_PENDING_CYCLES
+        if not free.any():
+            return None
+        out = self.ids[free], self.actions[free]
+        self.ids, self.actions = self.ids[~free], self.actions[~free]
+        return out
+
+
 def fetch_polling(x: jax.Array, poll_s: float) -> np.ndarray:
     """np.asarray(x) of an acting call's output, polling for up to `poll_s` before
     sleeping on it (`Config.action_poll_s`: a sleeping thread wakes late). The benchmarks'
@@ -433,7 +487,7 @@ class EnvGroupRunner:
         cycle = np.zeros(source.num_envs, np.int64)  # each env's current cycle
         cursor = np.zeros(source.num_envs, np.int64)  # actions it took in that cycle
         open_cycles: dict[tuple[int, int], _Cycle] = {}
-        oldest = [0] * num_groups  # each group's oldest cycle not yet pushed
+        oldest = np.zeros(num_groups, np.int64)  # each group's oldest cycle not yet pushed
         initial: dict[int, StepState] = {}  # group -> its next trajectory's sharded initial
         clock = StageClock()
         source.reset(seed=self.seed)
@@ -441,6 +495,9 @@ class EnvGroupRunner:
         # Pipelining holds one batch back from the source: with one group nothing would
         # be left stepping, and recv would wait forever.
         pipelined = num_groups > 1
+        # Envs that may wait for their group with a batch still stepping for recv: all but
+        # the batch just received and the one sent.
+        held = _HoldBack(max(0, source.num_envs - 2 * size) if pipelined else 0, size, steps)
         pending = None  # a batch whose actions are being computed, not yet sent
         while not self.stop.is_set():
             ids, env_step, new_steps = source.recv()
@@ -448,7 +505,7 @@ class EnvGroupRunner:
             self.accounting.add_env_steps(new_steps)
             clock.lap("env_step")
             if pending is not None:  # its actions were computed while this batch stepped
-                sent = self._send(pending, clock)
+                sent = self._send(pending, clock, held, cycle, cursor, oldest)
             env_cursor = cursor[ids]
             bootstrap = env_cursor == steps
             if bootstrap.any():  # entry T of their cycle, and entry 0 of the next
@@ -477,6 +534,9 @@ class EnvGroupRunner:
                         return
                     oldest[g] += 1
                 if complete:
+                    released = held.release(cycle, oldest)
+                    if released is not None:
+                        source.send(released[1], released[0])
                     clock.flush_into(self.accounting)
                 version, nets = self._latest_networks()  # a cycle starts with the latest
             output, step_state = self.acting.act(nets, self.state.step_state, ids32,
@@ -493,16 +553,21 @@ class EnvGroupRunner:
                 self._record_sent(pending, sent, open_cycles, cursor)
             pending = (ids, slots, output)
             if not pipelined:
-                self._record_sent(pending, self._send(pending, clock), open_cycles, cursor)
+                self._record_sent(pending, self._send(pending, clock, held, cycle, cursor,
+                                                      oldest), open_cycles, cursor)
                 pending = None
             clock.lap("record")
 
-    def _send(self, batch, clock: StageClock) -> np.ndarray:
-        """Fetches a batch's actions (the envs wait for this transfer only), sends them."""
+    def _send(self, batch, clock: StageClock, held: _HoldBack, cycle: np.ndarray,
+              cursor: np.ndarray, oldest: np.ndarray) -> np.ndarray:
+        """Fetches a batch's actions (the envs wait for this transfer only) and sends
+        those of the envs `held` does not keep back; returns them all."""
         ids, _, output = batch
         action = fetch_polling(output.action, self.action_poll_s)
         clock.lap("inference")
-        self.source.send(action, ids)
+        send_ids, send_actions = held.split(ids, action, cycle, cursor, oldest)
+        if len(send_ids):
+            self.source.send(send_actions, send_ids)
         clock.lap("env_step")
         return action
 
@@ -539,9 +604,10 @@ class EnvGroupRunner:
                 if oldest is not None and c - oldest[g] >= MAX_PENDING_CYCLES:
                     raise RuntimeError(
                         f"an env of group {self.first_group + g} is {MAX_PENDING_CYCLES} "
-                        "cycles ahead of the slowest env of its group: its envs' step times "
-                        f"differ too much for steps_per_cycle={self.acting.steps_per_cycle}; "
-                        "raise steps_per_cycle")
+                        "cycles ahead of the slowest env of its group, and no more envs "
+                        "can wait for theirs (a batch of envs must keep stepping): its "
+                        "envs' step times differ too much; more env groups per pool "
+                        "(async_factor) let more envs wait")
                 record = open_cycles[(g, c)] = _Cycle(version, env_step, size,
                                                       self.acting.steps_per_cycle)
             sel = slots.keys == key

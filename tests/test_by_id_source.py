@@ -20,7 +20,7 @@ import sebulba
 from sebulba.accounting import Accounting
 from sebulba.channels import ErrorBox, Staging
 from sebulba.envs import EpisodeTracker
-from sebulba.inferencer import ActingFunctions, EnvGroupRunner
+from sebulba.inferencer import MAX_PENDING_CYCLES, ActingFunctions, EnvGroupRunner
 from tests.counting_agent import CountingAgent
 
 E, T, GROUPS = 4, 5, 3
@@ -38,24 +38,28 @@ class TaggingAgent(CountingAgent):
 
 class ScriptedPool:
     """GROUPS x E envs; recv returns E of the envs sent (or reset) and not yet returned,
-    picked by a seeded rng among the E + 2 that waited longest. obs = (env id, steps the
-    env took, 0); episodes never end."""
+    picked by a seeded rng among the `window` that waited longest (None: all of them).
+    obs = (env id, steps the env took, 0); episodes never end."""
 
     in_order = False
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, window: int | None = E + 2):
         self.num_groups, self.group_size, self.num_envs = GROUPS, E, GROUPS * E
         self.rng = np.random.default_rng(seed)
+        self.window = window
         self.steps = np.zeros(self.num_envs, np.int64)
         self.ready: list[int] = []
         self.tracker = EpisodeTracker(self.num_envs, OBS_SPACE)
         self.mixed_groups = self.mixed_steps = 0  # batches of several groups / step counts
+        self.widest_gap = 0  # steps between the envs of one group furthest apart
+        self.short_sends = 0  # sends of fewer than E envs: envs held back, released
 
     def reset(self, seed: int) -> None:
         self.ready = list(range(self.num_envs))
 
     def recv(self):
-        window = self.ready[:E + 2]
+        assert len(self.ready) >= E, "recv would wait forever: fewer than E envs stepping"
+        window = self.ready[:self.window]
         picked = sorted(self.rng.choice(len(window), E, replace=False).tolist())
         ids = np.array([window[i] for i in picked], np.int64)
         self.ready = [e for i, e in enumerate(self.ready) if i not in picked]
@@ -73,14 +77,16 @@ class ScriptedPool:
         self.steps[ids] += 1
         self.ready.extend(ids.tolist())
         self.tracker.sent(ids)
+        self.short_sends += len(ids) < E
+        by_group = self.steps.reshape(GROUPS, E)
+        self.widest_gap = max(self.widest_gap, int((by_group.max(1) - by_group.min(1)).max()))
 
     def close(self) -> None:
         pass
 
 
-@pytest.mark.timeout(120)
-def test_mixed_batches_fill_each_envs_own_row_in_order():
-    pool = ScriptedPool(seed=0)
+def run_until_pushed(pool: ScriptedPool, cycles: int) -> dict[int, list]:
+    """Drives `pool` with an inferencer thread until each group pushed `cycles` cycles."""
     agent = TaggingAgent(sebulba.EnvSpec(OBS_SPACE, gym.spaces.Discrete(2)))
     device = jax.devices()[0]
     key = jax.random.key(0)
@@ -100,18 +106,23 @@ def test_mixed_batches_fill_each_envs_own_row_in_order():
     thread.start()
     pushed: dict[int, list] = {g: [] for g in range(GROUPS)}
     try:
-        while min(len(p) for p in pushed.values()) < 8:
-            item = items.get(timeout=30)
+        while min(len(p) for p in pushed.values()) < cycles and errors.error is None:
+            try:
+                item = items.get(timeout=1)
+            except queue.Empty:
+                continue
             pushed[item.group].append(item)
     finally:
         stop.set()
         thread.join(10)
     assert not thread.is_alive()
     assert errors.error is None, errors.error
-    # The script did reach the general path: batches of several groups, and envs of
-    # one batch at different steps (so at different cursors, often in different cycles).
-    assert pool.mixed_groups > 10 and pool.mixed_steps > 10
+    return pushed
 
+
+def check_rows_in_order(pushed: dict[int, list]) -> None:
+    """Each env's steps in its own row of its group's trajectories, in order, with the
+    outputs of its own acting steps and the step states its cycles started and ended at."""
     for g, group_items in pushed.items():
         for c, item in enumerate(group_items):
             obs = np.asarray(item.trajectory.env_steps.obs)[0]  # [E, T + 1, 3]
@@ -135,3 +146,27 @@ def test_mixed_batches_fill_each_envs_own_row_in_order():
             # The step states are the ones the cycle started from and ended at.
             np.testing.assert_array_equal(initial, np.full(E, c * T))
             np.testing.assert_array_equal(final, np.full(E, (c + 1) * T))
+
+
+@pytest.mark.timeout(120)
+def test_mixed_batches_fill_each_envs_own_row_in_order():
+    pool = ScriptedPool(seed=0)
+    pushed = run_until_pushed(pool, cycles=8)
+    # The script did reach the general path: batches of several groups, and envs of
+    # one batch at different steps (so at different cursors, often in different cycles).
+    assert pool.mixed_groups > 10 and pool.mixed_steps > 10
+    check_rows_in_order(pushed)
+
+
+@pytest.mark.timeout(120)
+def test_envs_that_run_ahead_of_their_group_are_held_back():
+    """With three or more groups in one pool, two batches step at once and recv returns
+    whichever envs finish first: an env's lead over the slowest of its group grows as a
+    random walk, without bound. An env about to open a cycle MAX_PENDING_CYCLES ahead of
+    its group's oldest is held back (its action kept, not sent) until that cycle is
+    pushed, as long as E envs are left stepping for recv."""
+    pool = ScriptedPool(seed=1, window=None)  # any stepping env may finish first
+    pushed = run_until_pushed(pool, cycles=60)
+    assert pool.short_sends > 0  # envs were held back, and released
+    assert pool.widest_gap <= MAX_PENDING_CYCLES * T
+    check_rows_in_order(pushed)
