@@ -399,8 +399,9 @@ class EpisodeTracker:
         truncated = np.asarray(truncated, bool)
         last = terminated | truncated
         self._was_last[ids] = last
-        reward = np.asarray(reward, np.float32)
-        self._untallied = (ids, reward, first, last)
+        # Copies: the tally comes later, and a source may reuse its buffers.
+        reward = np.array(reward, np.float32)
+        self._untallied = (ids.copy(), reward, first, last)
         # Once every env has been sent an action (the usual case), each row is a step.
         steps = len(ids) if self._all_acted else int(np.count_nonzero(self._acted[ids]))
         return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,

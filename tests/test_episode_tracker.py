@@ -71,3 +71,20 @@ def test_by_id_rows_tally_into_their_own_envs():
     tracker.observe(np.array([0, 1]), obs, np.array([20.0, 200.0]), np.array([True, True]),
                     no)
     assert tracker.pop_episodes() == [(30.0, 2), (300.0, 2)]
+
+
+@pytest.mark.timeout(60)
+def test_a_source_may_reuse_its_buffers_before_the_tally():
+    """The tally runs later (when episodes are asked for, or at the next observe): it
+    must count the rows as observed, not what a source wrote into its buffers since."""
+    tracker = EpisodeTracker(4, SPACE)
+    ids, reward = np.array([0, 1]), np.array([1.0, 2.0], np.float32)
+    obs, no = np.zeros((2, 3), np.float32), np.zeros(2, bool)
+    tracker.observe(ids, obs, reward, no, no)  # resets: their rows are not returns
+    tracker.sent(ids)
+    tracker.observe(ids, obs, reward, no, no)  # envs 0 and 1 get 1 and 2
+    tracker.sent(ids)
+    ids[:], reward[:] = [2, 3], [100.0, 100.0]  # the source's next batch, same buffers
+    tracker.observe(np.array([0, 1]), obs, np.array([3.0, 4.0], np.float32), no,
+                    np.ones(2, bool))  # envs 0 and 1 get 3 and 4, and end
+    assert tracker.pop_episodes() == [(4.0, 2), (6.0, 2)]
