@@ -138,6 +138,8 @@ def named_worker_deaths(vec: gym.vector.VectorEnv, during: str) -> Iterator[None
     try:
         yield
     except _PIPE_ERRORS as e:
+        if isinstance(e.__cause__, RemoteTraceback):  # the env's own error, from its worker
+            raise
         processes = getattr(vec, "processes", None)
         error = worker_death_error(processes, during) if processes else None
         if error is None:
@@ -164,8 +166,8 @@ CLOSE_TIMEOUT_S = 5.0
 
 
 class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
-    """gymnasium's AsyncVectorEnv, with errors that keep their origin and a close that
-    cannot hang:
+    """gymnasium's AsyncVectorEnv, with errors that keep their origin and a forced close
+    that cannot hang:
     - a worker's error is re-raised as the env raised it (gymnasium wraps it in a new
       exception of its type), with the worker's traceback as its cause;
     - workers dying while it starts are an error naming them (gymnasium's is the bare
@@ -179,10 +181,11 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             super().__init__(env_fns, **kwargs)
         except BaseException as e:
             error = None
-            if isinstance(e, _PIPE_ERRORS):
+            if isinstance(e, _PIPE_ERRORS) and not isinstance(e.__cause__, RemoteTraceback):
                 error = worker_death_error(getattr(self, "processes", []), "starting",
                                            kwargs.get("context"))
             self._stop_workers()
+            self.closed = True  # nothing left for __del__ to close
             if error is None:
                 raise
             raise error from e
@@ -193,14 +196,17 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             return
         failed = [i for i, ok in enumerate(successes) if not ok]
         reports = []
+        deadline = time.monotonic() + ERROR_REPORT_TIMEOUT_S
         try:
             for _ in failed:
-                reports.append(self.error_queue.get(timeout=ERROR_REPORT_TIMEOUT_S))
+                reports.append(self.error_queue.get(
+                    timeout=max(0.0, deadline - time.monotonic())))
         except queue.Empty:
             pass
         except Exception as e:  # noqa: BLE001 - a report that cannot be unpickled
-            reports.append((failed[len(reports)], RuntimeError, RuntimeError(
-                f"its error report could not be read: {type(e).__name__}: {e}"), ""))
+            reports.append((f"of {failed}", RuntimeError, RuntimeError(
+                f"an async env worker's error report could not be read: "
+                f"{type(e).__name__}: {e}"), ""))
         for index in failed:  # as gymnasium: a failed worker has ended; its pipe goes
             if self.parent_pipes[index] is not None:
                 self.parent_pipes[index].close()
@@ -225,7 +231,8 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
     def _stop_workers(self) -> None:
         """Terminates every worker (nothing under way is waited for), closes the pipes and
         reaps the workers, killing those still alive after `CLOSE_TIMEOUT_S`."""
-        processes = getattr(self, "processes", [])
+        # A process whose start failed (an env_fn "spawn" cannot pickle) has no pid.
+        processes = [p for p in getattr(self, "processes", []) if p.pid is not None]
         for process in processes:
             if process.is_alive():
                 process.terminate()

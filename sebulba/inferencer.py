@@ -262,20 +262,26 @@ class _HoldBack:
         self.ids = np.zeros(0, np.int64)
         self.actions: np.ndarray | None = None
 
-    def split(self, ids: np.ndarray, actions: np.ndarray, cycle: np.ndarray,
-              cursor: np.ndarray, oldest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The (ids, actions) of a batch to send now; the others are held. `cursor` is
-        the envs' count of actions before these."""
+    def choose(self, ids: np.ndarray, cycle: np.ndarray, cursor: np.ndarray,
+               oldest: np.ndarray) -> np.ndarray | None:
+        """Which envs of a batch to hold (a mask), or None for none; `cursor` counts
+        their actions before this batch's. Decided before the actions' transfer, which
+        the envs wait for."""
         room = self.capacity - len(self.ids)
         if room <= 0:
-            return ids, actions
+            return None
         last = cursor[ids] == self.steps - 1  # this action's step ends the env's cycle
         if not last.any():  # the usual case: one check a batch
-            return ids, actions
+            return None
         opens = cycle[ids] + 1 - oldest[ids // self.group_size]  # the cycle it would open
         hold = last & (opens >= MAX_PENDING_CYCLES)
         hold &= np.cumsum(hold) <= room
-        if not hold.any():
+        return hold if hold.any() else None
+
+    def split(self, ids: np.ndarray, actions: np.ndarray, hold: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, actions) to send now; those of `hold` (from `choose`) are kept."""
+        if hold is None:
             return ids, actions
         self.ids = np.concatenate([self.ids, ids[hold]])
         self.actions = (actions[hold] if self.actions is None
@@ -563,9 +569,10 @@ class EnvGroupRunner:
         """Fetches a batch's actions (the envs wait for this transfer only) and sends
         those of the envs `held` does not keep back; returns them all."""
         ids, _, output = batch
+        hold = held.choose(ids, cycle, cursor, oldest)
         action = fetch_polling(output.action, self.action_poll_s)
         clock.lap("inference")
-        send_ids, send_actions = held.split(ids, action, cycle, cursor, oldest)
+        send_ids, send_actions = held.split(ids, action, hold)
         if len(send_ids):
             self.source.send(send_actions, send_ids)
         clock.lap("env_step")

@@ -84,12 +84,14 @@ class TwoArgumentError(Exception):
 
 
 class RaisingEnv(CountingEnv):
-    """Raises an error of kind `kind` ("own", "unpicklable", "two_arguments") at its
-    first step."""
+    """Raises an error of kind `kind` (a key of ERRORS) at its first step."""
 
     ERRORS = {"own": lambda: EnvStepError("the env's own error"),
               "unpicklable": lambda: UnpicklableError("an error holding a lock"),
-              "two_arguments": lambda: TwoArgumentError("a two-argument error", 1)}
+              "two_arguments": lambda: TwoArgumentError("a two-argument error", 1),
+              # What a pipe to a dead worker raises, raised by the env itself (a
+              # simulator over a socket): not a worker death.
+              "connection": lambda: ConnectionResetError("the simulator hung up")}
 
     def __init__(self, kind: str):
         super().__init__()

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 
 import gymnasium as gym
@@ -15,7 +16,7 @@ import pytest
 
 from sebulba import async_workers
 from sebulba.async_workers import AsyncVectorEnv, RemoteTraceback, env_worker
-from sebulba.envs import close_vector_env, make_vector_env
+from sebulba.envs import VectorEnvSource, close_vector_env, make_vector_env
 from tests.envs import (
     CountingEnv,
     EnvStepError,
@@ -123,21 +124,47 @@ def test_the_worker_refuses_an_autoreset_mode_it_does_not_run(no_leftovers):
     # queue would lose it, and the parent wait for it forever).
     ("unpicklable", RuntimeError, "UnpicklableError: an error holding a lock"),
     ("two_arguments", RuntimeError, "TwoArgumentError: a two-argument error at step 1"),
+    ("connection", ConnectionResetError, "the simulator hung up"),
 ])
 @pytest.mark.timeout(60)
 def test_a_workers_error_is_raised_as_the_env_raised_it(kind, raised, message, no_leftovers):
-    vec = make_vector_env(functools.partial(RaisingEnv, kind), 2, "async")
+    # Through the env source, as the loop steps it: an env's own pipe error must not pass
+    # for a dead worker's.
+    source = VectorEnvSource(make_vector_env(functools.partial(RaisingEnv, kind), 2, "async"))
+    vec = source.vec
     try:
-        vec.reset(seed=0)
+        source.reset(seed=0)
         with pytest.raises(raised, match=re.escape(message)) as info:
-            vec.step(np.zeros(2, np.int64))
+            source.send(np.zeros(2, np.int64), np.arange(2))
         assert type(info.value.args[0]) is str  # the error itself, not one wrapping it
         cause = info.value.__cause__  # the worker's traceback, down to the env's frame
         assert isinstance(cause, RemoteTraceback)
         assert "in step" in str(cause) and "raise self.ERRORS" in str(cause)
         assert "workers [0, 1] of 2 failed" in str(cause)
+        # As gymnasium leaves it: the failed workers' pipes closed, no call under way.
+        assert vec.parent_pipes == [None, None]
+        assert vec._state == gym.vector.async_vector_env.AsyncState.DEFAULT
+    finally:
+        source.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_without_a_report_is_an_error_not_a_wait(monkeypatch, no_leftovers):
+    monkeypatch.setattr(async_workers, "ERROR_REPORT_TIMEOUT_S", 0.2)
+    vec = make_vector_env(functools.partial(CountingEnv, 5), 2, "async")
+    try:
+        with pytest.raises(RuntimeError, match=r"workers \[1\] of 2 failed and sent no"):
+            vec._raise_if_errors([True, False])  # worker 1 "failed"; its report never came
     finally:
         close_vector_env(vec)
+
+
+@pytest.mark.timeout(60)
+def test_an_env_factory_spawn_cannot_send_is_its_own_error(no_leftovers):
+    """The first worker's start fails (pickling its env factory): the pickling error,
+    and the worker that never started is no obstacle to closing."""
+    with pytest.raises(TypeError, match="pickle"):
+        make_vector_env(functools.partial(CountingEnv, threading.Lock()), 2, "async")
 
 
 @pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ import sebulba
 from sebulba.accounting import Accounting
 from sebulba.channels import ErrorBox, Staging
 from sebulba.envs import EpisodeTracker
-from sebulba.inferencer import MAX_PENDING_CYCLES, ActingFunctions, EnvGroupRunner
+from sebulba.inferencer import MAX_PENDING_CYCLES, ActingFunctions, EnvGroupRunner, _HoldBack
 from tests.counting_agent import CountingAgent
 
 E, T, GROUPS = 4, 5, 3
@@ -51,7 +51,6 @@ class ScriptedPool:
         self.ready: list[int] = []
         self.tracker = EpisodeTracker(self.num_envs, OBS_SPACE)
         self.mixed_groups = self.mixed_steps = 0  # batches of several groups / step counts
-        self.widest_gap = 0  # steps between the envs of one group furthest apart
         self.short_sends = 0  # sends of fewer than E envs: envs held back, released
 
     def reset(self, seed: int) -> None:
@@ -78,8 +77,6 @@ class ScriptedPool:
         self.ready.extend(ids.tolist())
         self.tracker.sent(ids)
         self.short_sends += len(ids) < E
-        by_group = self.steps.reshape(GROUPS, E)
-        self.widest_gap = max(self.widest_gap, int((by_group.max(1) - by_group.min(1)).max()))
 
     def close(self) -> None:
         pass
@@ -168,5 +165,41 @@ def test_envs_that_run_ahead_of_their_group_are_held_back():
     pool = ScriptedPool(seed=1, window=None)  # any stepping env may finish first
     pushed = run_until_pushed(pool, cycles=60)
     assert pool.short_sends > 0  # envs were held back, and released
-    assert pool.widest_gap <= MAX_PENDING_CYCLES * T
     check_rows_in_order(pushed)
+
+
+def test_an_env_is_held_just_before_it_would_open_one_cycle_too_many():
+    steps, size = 4, 2
+    held = _HoldBack(capacity=2, group_size=size, steps_per_cycle=steps)
+    oldest = np.zeros(3, np.int64)  # three groups of two envs, all at their first cycle
+    cycle = np.array([MAX_PENDING_CYCLES - 1, MAX_PENDING_CYCLES - 2, 0, 0, 0, 0])
+    cursor = np.array([steps - 1, steps - 1, 0, 0, 0, 0])
+    ids = np.array([0, 1])
+    # Env 0's next step ends cycle oldest + MAX - 1 and opens one too many: held. Env 1's
+    # opens oldest + MAX - 1, which may be open: sent.
+    hold = held.choose(ids, cycle, cursor, oldest)
+    np.testing.assert_array_equal(hold, [True, False])
+    send_ids, send_actions = held.split(ids, np.array([10, 11]), hold)
+    np.testing.assert_array_equal(send_ids, [1])
+    np.testing.assert_array_equal(send_actions, [11])
+    # Mid-cycle, an env ahead is sent: its step opens nothing.
+    assert held.choose(ids, cycle, np.array([steps - 2] * 6), oldest) is None
+    # At most `capacity` envs wait (a batch must keep stepping for recv): one more here.
+    cycle[1] = MAX_PENDING_CYCLES - 1
+    cycle[3] = MAX_PENDING_CYCLES  # group 1's oldest is 1 below
+    oldest[1] = 1
+    cursor[3] = steps - 1
+    hold = held.choose(np.array([1, 3]), cycle, cursor, oldest)
+    np.testing.assert_array_equal(hold, [True, False])  # room for one
+    held.split(np.array([1, 3]), np.array([21, 23]), hold)
+    assert held.choose(np.array([3]), cycle, cursor, oldest) is None  # full
+    # Group 0's oldest cycle is pushed: its envs go, with the actions they were held with.
+    assert held.release(cycle, oldest) is None
+    oldest[0] += 1
+    released_ids, released_actions = held.release(cycle, oldest)
+    np.testing.assert_array_equal(released_ids, [0, 1])
+    np.testing.assert_array_equal(released_actions, [10, 21])
+    assert held.release(cycle, oldest) is None
+    # With two groups or fewer nothing is held: those batches never drift.
+    none = _HoldBack(capacity=0, group_size=size, steps_per_cycle=steps)
+    assert none.choose(ids, cycle, cursor, np.zeros(3, np.int64)) is None
