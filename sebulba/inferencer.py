@@ -502,8 +502,8 @@ class EnvGroupRunner:
         # be left stepping, and recv would wait forever.
         pipelined = num_groups > 1
         # Envs that may wait for their group with a batch still stepping for recv: all but
-        # the batch just received and the one sent.
-        held = _HoldBack(max(0, source.num_envs - 2 * size) if pipelined else 0, size, steps)
+        # the batch just received and the one sent (none with fewer than three groups).
+        held = _HoldBack(max(0, source.num_envs - 2 * size), size, steps)
         pending = None  # a batch whose actions are being computed, not yet sent
         while not self.stop.is_set():
             ids, env_step, new_steps = source.recv()
