@@ -28,7 +28,7 @@ from sebulba.inferencer import ActingFunctions, EnvGroupRunner, EnvSource
 from sebulba.learner import Learner
 from sebulba.multiagent import ParallelEnvSource, make_parallel_envs
 from sebulba.types import AgentState, Nets, PyTree
-from sebulba.watchdog import ProgressWatchdog
+from sebulba.watchdog import EnvStall, ProgressWatchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +180,15 @@ class Sebulba:
             the learner update under way, with `RunResult.stopped_early`; in a
             multi-process run every process ends after the same update (one update after
             the first process saw its event), so their learner states agree.
-          progress_timeout_s: multi-process runs: a learner that finishes no update for
-            this long ends this process (exit code `watchdog.EXIT_CODE`), naming the
-            processes that are behind (`sebulba.watchdog`); None: wait forever. Allow
-            for the slowest inference cycle; the first update (start-up and
-            compilation) may take `watchdog.FIRST_UPDATE_S` (600 s) if that is longer.
+          progress_timeout_s: a single-process run whose learner waits this long for a
+            trajectory while no env steps (an env step that never returns) ends with a
+            RuntimeError showing where the inferencer threads are
+            (`watchdog.EnvStall`). In a multi-process run a learner that finishes no
+            update for this long ends this process (exit code `watchdog.EXIT_CODE`),
+            naming the processes that are behind (`watchdog.ProgressWatchdog`); allow
+            for the slowest inference cycle there. Before the first env step (or
+            update) `watchdog.FIRST_UPDATE_S` (600 s) if that is longer. None: wait
+            forever.
           learner_updates: updates the learner made before this run (a resumed run
             passes its checkpoint's): the version its networks are published under
             (`Agent.acting_nets` sees it; policy lags and lockstep count from it), and
@@ -200,6 +204,9 @@ class Sebulba:
             raise ValueError(f"total_env_steps must be an int >= 1, got {total_env_steps!r}")
         if not isinstance(learner_updates, int) or learner_updates < 0:
             raise ValueError(f"learner_updates must be an int >= 0, got {learner_updates!r}")
+        if progress_timeout_s is not None and not progress_timeout_s > 0:
+            raise ValueError(
+                f"progress_timeout_s must be > 0 or None, got {progress_timeout_s!r}")
         cfg = self.config
         if cfg.lockstep and not (learn and self.learner.optims_per_update > 0):
             raise ValueError("lockstep acting waits for networks that only learning "
@@ -237,6 +244,9 @@ class Sebulba:
             for r in runners:
                 threads.append(threading.Thread(
                     target=r, name=r.name, daemon=True))
+            stall = None
+            if self.num_processes == 1 and progress_timeout_s is not None:
+                stall = EnvStall(progress_timeout_s, threads)
             start = time.perf_counter()
             for t in threads:
                 t.start()
@@ -244,7 +254,7 @@ class Sebulba:
             # items (popped one at a time: see Config.trajectories_per_update for why this
             # cannot deadlock) and every process runs the same number of iterations.
             while accounting.consumed * self.num_processes < total_env_steps:
-                popped.append(self._get(trajectories, errors, accounting))
+                popped.append(self._get(trajectories, errors, accounting, stall))
                 if len(popped) < cfg.trajectories_per_update:
                     continue
                 lags = [learner.updates - item.version for item in popped]
@@ -397,16 +407,20 @@ class Sebulba:
             raise
         return runners
 
-    def _get(self, trajectories: queue.Queue, errors: ErrorBox,
-             accounting: Accounting) -> QueueItem:
+    @staticmethod
+    def _get(trajectories: queue.Queue, errors: ErrorBox, accounting: Accounting,
+             stall: EnvStall | None) -> QueueItem:
         t0 = time.perf_counter()
+        if stall is not None:
+            stall.waiting(accounting.env_steps)
         while True:
             errors.raise_if_any()
             try:
                 item = trajectories.get(timeout=POLL_SECONDS)
                 break
             except queue.Empty:
-                continue
+                if stall is not None:
+                    stall.check(accounting.env_steps)
         accounting.add_time("queue_get", time.perf_counter() - t0)
         return item
 

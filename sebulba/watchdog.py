@@ -1,4 +1,11 @@
-"""A learner that stops progressing in a multi-process run ends the run, naming who is behind.
+"""Runs that stop progressing end, saying where they stopped.
+
+`EnvStall` (every single-process run): the learner waits for a trajectory while no env
+steps, so some env step does not return; the run ends with an error that shows where
+each inferencer thread is.
+
+`ProgressWatchdog` (multi-process runs): a learner that stops progressing ends the run,
+naming who is behind.
 
 JAX's heartbeats catch a peer that died or froze, but not one whose Python is stuck (an
 env step that never returns, a callback in a loop): its heartbeat thread runs on while
@@ -13,9 +20,11 @@ waiting processes end, and the stuck one too, each saying the same thing.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 
 from sebulba.preemption import end_process_now
 
@@ -25,6 +34,68 @@ EXIT_CODE = 3
 FIRST_UPDATE_S = 600.0
 _PREFIX = "sebulba/learner_position/"
 _VERDICT = "sebulba/stalled/"
+
+
+# Frames of each stuck thread's stack that an `EnvStall` error shows (innermost last).
+STACK_FRAMES = 6
+
+
+def thread_stacks(threads: Sequence[threading.Thread], frames: int = STACK_FRAMES) -> str:
+    """The innermost `frames` frames of each live thread's stack, under its name."""
+    current = sys._current_frames()
+    parts = []
+    for t in threads:
+        frame = current.get(t.ident) if t.is_alive() else None
+        if frame is None:
+            parts.append(f"{t.name}: ended")
+            continue
+        stack = "".join(traceback.format_stack(frame)[-frames:])
+        parts.append(f"{t.name}, innermost {frames} frames:\n{stack.rstrip()}")
+    return "\n".join(parts)
+
+
+class EnvStall:
+    """Ends a run whose envs stopped stepping while its learner waits for a trajectory.
+
+    In a single-process run the learner thread only waits without bound for the queue,
+    and that wait ends unless every inferencer thread is stuck: in an env step that does
+    not return (a deadlocked simulator, a worker waiting for a lock), as nothing else in
+    the acting loop waits without bound. The learner calls `check(env steps so far)`
+    each time its wait for a trajectory times out, and `waiting()` as a wait starts; when
+    no env stepped for `timeout_s` of waiting, `check` raises a RuntimeError showing
+    where the inferencer threads are. Until the first env step (envs resetting, the
+    acting call compiling) the limit is at least `first_step_s`.
+    """
+
+    def __init__(self, timeout_s: float, threads: Sequence[threading.Thread],
+                 first_step_s: float = FIRST_UPDATE_S):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s, self.threads = timeout_s, threads
+        self.first_step_s = max(timeout_s, first_step_s)
+        self._steps, self._since = -1, time.monotonic()
+
+    def waiting(self, env_steps: int) -> None:
+        """The learner starts to wait: the stall clock starts now (an update, however
+        long, is not time the envs had to step in: they may have waited for room in
+        the queue)."""
+        self._steps, self._since = env_steps, time.monotonic()
+
+    def check(self, env_steps: int) -> None:
+        now = time.monotonic()
+        if env_steps != self._steps:
+            self._steps, self._since = env_steps, now
+            return
+        limit = self.timeout_s if env_steps > 0 else self.first_step_s
+        if now - self._since <= limit:
+            return
+        raise RuntimeError(
+            f"no env stepped for {limit:g} s while the learner waited for a trajectory "
+            f"({env_steps} env steps so far): an env step that does not return? "
+            "(Sebulba.run's progress_timeout_s sets this limit; an inferencer thread "
+            "stuck in an env's own Python code cannot be stopped and runs on until the "
+            "process ends; async env workers are terminated.) Where the inferencer "
+            f"threads are:\n{thread_stacks(self.threads)}")
 
 
 def _coordination_client():

@@ -101,6 +101,24 @@ class RaisingEnv(CountingEnv):
         raise self.ERRORS[self.kind]()
 
 
+class HangingEnv(CountingEnv):
+    """Its `hang_at`-th step does not return until `HangingEnv.release` is set (in an
+    async worker, a copy of the event that nothing sets: until the worker is ended)."""
+
+    release = threading.Event()
+
+    def __init__(self, hang_at: int = 20):
+        super().__init__()
+        self.hang_at = hang_at
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == self.hang_at:
+            HangingEnv.release.wait()
+        return super().step(action)
+
+
 class MadeOnlyInTheParentEnv(CountingEnv):
     """Cannot be made in a worker process (as an env whose module a worker cannot import)."""
 

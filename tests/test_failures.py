@@ -16,15 +16,17 @@ import jax.numpy as jnp
 import pytest
 
 import sebulba
+from tests.conftest import sebulba_threads
 from tests.counting_agent import CountingAgent
-from tests.envs import CountingEnv, FaultyEnv, RaisingEnv
+from tests.envs import CountingEnv, FaultyEnv, HangingEnv, RaisingEnv
 
 COUNTING = functools.partial(CountingEnv, 5)
 
 
 def make_loop(agent_cls=CountingAgent, env=COUNTING, **config):
+    config = {"shutdown_timeout_s": 5.0, **config}
     cfg = sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=4, async_factor=2,
-                         shutdown_timeout_s=5.0, **config)
+                         **config)
     return sebulba.Sebulba(agent_cls(sebulba.env_spec(env)), cfg)
 
 
@@ -45,6 +47,37 @@ def test_an_env_error_that_cannot_leave_its_worker_still_stops_the_run(no_leftov
     with pytest.raises(RuntimeError, match="UnpicklableError: an error holding a lock"):
         loop.run(10**9)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("vectorization,where", [
+    ("sync", "HangingEnv.release.wait()"),  # the env's own code, in the inferencer thread
+    ("async", "step_wait"),  # the inferencer waits for its worker
+])
+@pytest.mark.timeout(120)
+def test_an_env_step_that_never_returns_ends_the_run(vectorization, where, no_leftovers):
+    loop = make_loop(env=functools.partial(HangingEnv, 30), vectorization=vectorization,
+                     shutdown_timeout_s=1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="no env stepped for 2 s") as caught:
+            loop.run(10**9, progress_timeout_s=2.0)
+        elapsed = time.monotonic() - start
+    finally:
+        HangingEnv.release.set()  # lets an inferencer stuck in the env's step end
+        deadline = time.monotonic() + 10
+        while sebulba_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        HangingEnv.release.clear()
+    message = str(caught.value)
+    # Both groups' threads are shown where they stopped.
+    assert "sebulba-inferencer-0" in message and "sebulba-inferencer-1" in message, message
+    assert message.count(where) >= 2, message
+    assert elapsed < 30, elapsed  # startup, 2 s of stall, the shutdown
+
+
+def test_progress_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="progress_timeout_s must be > 0 or None, got 0"):
+        make_loop().run(100, progress_timeout_s=0)
 
 
 class StepRaises(CountingAgent):
