@@ -84,8 +84,9 @@ _GRACE = flags.DEFINE_float(
     "longer than this, it ends its env workers and exits at once.")
 _PROGRESS_TIMEOUT = flags.DEFINE_float(
     "progress_timeout_seconds", 600.0,
-    "A run whose learner waits this long for a trajectory while no env steps (an env step "
-    "that never returns) ends with an error showing where each inferencer thread is. "
+    "Single-process runs: a learner that waits this long for a trajectory while no env "
+    "steps (an env step that never returns) ends the run with an error showing where each "
+    "inferencer thread is. "
     "Multi-process runs: a learner that finishes no update for this long ends every "
     "process, naming the processes that are behind (one stuck in Python keeps its "
     "heartbeats going). The first env step and update (start-up, compilation) may take "

@@ -292,6 +292,12 @@ class Learner:
         self.accounting.add_time("update_experience", t1 - t0)
         self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)
 
+    def device_busy(self) -> bool:
+        """Whether the last update still runs on the devices (its metrics and published
+        networks not ready yet): `update` returns once its work is dispatched."""
+        return self._pending is not None and not all(
+            x.is_ready() for x in jax.tree.leaves(self._pending[1:]))
+
     def finish(self) -> None:
         """Fetches the last update's metrics (and checks them)."""
         with self._naming_peer_failures():

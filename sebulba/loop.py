@@ -237,6 +237,7 @@ class Sebulba:
         threads: list[threading.Thread] = []
         popped: list[QueueItem] = []  # items taken from the queue, not yet learnt from
         stopped_early = False
+        stall: EnvStall | None = None
         start = time.perf_counter()
         try:
             runners = self._make_runners(state.step_state, stagings, trajectories, halt, errors,
@@ -244,7 +245,6 @@ class Sebulba:
             for r in runners:
                 threads.append(threading.Thread(
                     target=r, name=r.name, daemon=True))
-            stall = None
             if self.num_processes == 1 and progress_timeout_s is not None:
                 stall = EnvStall(progress_timeout_s, threads)
             start = time.perf_counter()
@@ -288,13 +288,14 @@ class Sebulba:
             if watchdog is not None:
                 watchdog.close()
             halt.set()
-            still_alive = self._shut_down(threads, runners)
+            still_alive = self._shut_down(threads, runners,
+                                          stalled=stall is not None and stall.fired)
             wall = time.perf_counter() - start
         errors.raise_if_any()
         if still_alive:
             raise RuntimeError(
-                f"inferencer threads did not stop within {2 * cfg.shutdown_timeout_s}s: "
-                f"{still_alive}")
+                f"threads did not stop within {2 * cfg.shutdown_timeout_s}s (stuck in an "
+                f"env's step, or in its close): {still_alive}")
 
         in_flight = sum(r.partial_steps for r in runners)
         in_flight += sum(item.num_env_steps for item in popped)
@@ -407,8 +408,7 @@ class Sebulba:
             raise
         return runners
 
-    @staticmethod
-    def _get(trajectories: queue.Queue, errors: ErrorBox, accounting: Accounting,
+    def _get(self, trajectories: queue.Queue, errors: ErrorBox, accounting: Accounting,
              stall: EnvStall | None) -> QueueItem:
         t0 = time.perf_counter()
         if stall is not None:
@@ -420,30 +420,44 @@ class Sebulba:
                 break
             except queue.Empty:
                 if stall is not None:
-                    stall.check(accounting.env_steps)
+                    stall.check(accounting.env_steps, self.learner.device_busy())
         accounting.add_time("queue_get", time.perf_counter() - t0)
         return item
 
-    def _shut_down(
-        self, threads: list[threading.Thread], runners: list[EnvGroupRunner]
-    ) -> list[str]:
-        """Stops every thread and env, waiting at most about 2 x shutdown_timeout_s.
+    def _shut_down(self, threads: list[threading.Thread], runners: list[EnvGroupRunner],
+                   *, stalled: bool = False) -> list[str]:
+        """Stops every thread and env, waiting at most about 2 x shutdown_timeout_s (one
+        after a stall, whose threads are known to be stuck).
 
-        Returns the names of threads still alive after that (stuck in user code).
+        Returns the names of threads still alive after that: inferencers stuck in user
+        code, and closes of their envs that did not return (`<inferencer>-closing`).
         """
         timeout = self.config.shutdown_timeout_s
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        if not stalled:
+            deadline = time.monotonic() + timeout
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
         # Closing terminates async workers, which also frees a thread stuck waiting on one.
-        for r in runners:
-            # A broken env must not keep the others from closing.
-            with contextlib.suppress(Exception):
-                r.source.close()
+        # The env of a thread still stuck in its step may block in close too (on the lock
+        # the step waits for), so it is closed in a thread of its own, waited for below.
+        closing = []
+        for i, r in enumerate(runners):
+            if i < len(threads) and threads[i].is_alive():
+                closing.append(threading.Thread(target=_close_quietly, args=(r.source,),
+                                                name=f"{r.name}-closing", daemon=True))
+                closing[-1].start()
+            else:
+                _close_quietly(r.source)
         deadline = time.monotonic() + timeout
-        for t in threads:
+        for t in closing + threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in threads if t.is_alive()]
+        return [t.name for t in threads + closing if t.is_alive()]
+
+
+def _close_quietly(source: EnvSource) -> None:
+    """A broken env must not keep the others from closing."""
+    with contextlib.suppress(Exception):
+        source.close()
 
 
 def _slice_env_axis(tree: PyTree, start: int, size: int) -> PyTree:

@@ -60,11 +60,14 @@ class EnvStall:
     In a single-process run the learner thread only waits without bound for the queue,
     and that wait ends unless every inferencer thread is stuck: in an env step that does
     not return (a deadlocked simulator, a worker waiting for a lock), as nothing else in
-    the acting loop waits without bound. The learner calls `check(env steps so far)`
-    each time its wait for a trajectory times out, and `waiting()` as a wait starts; when
+    the acting loop waits without bound. The learner calls `waiting(env steps so far)` as
+    a wait starts and `check(env steps so far, busy)` each time the wait times out; when
     no env stepped for `timeout_s` of waiting, `check` raises a RuntimeError showing
-    where the inferencer threads are. Until the first env step (envs resetting, the
-    acting call compiling) the limit is at least `first_step_s`.
+    where the inferencer threads are (and `fired` is set). Time in which the learner's
+    last update is still running on its devices (`busy`) does not count: acting calls
+    may queue behind it, and lockstep acting waits for its networks. Until the first env
+    step (envs resetting, the acting call compiling) the limit is at least
+    `first_step_s`.
     """
 
     def __init__(self, timeout_s: float, threads: Sequence[threading.Thread],
@@ -73,29 +76,30 @@ class EnvStall:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s, self.threads = timeout_s, threads
         self.first_step_s = max(timeout_s, first_step_s)
+        self.fired = False
         self._steps, self._since = -1, time.monotonic()
 
     def waiting(self, env_steps: int) -> None:
-        """The learner starts to wait: the stall clock starts now (an update, however
-        long, is not time the envs had to step in: they may have waited for room in
-        the queue)."""
+        """The learner starts to wait: the stall clock starts now (while it updated, the
+        envs may have waited for room in the queue)."""
         self._steps, self._since = env_steps, time.monotonic()
 
-    def check(self, env_steps: int) -> None:
+    def check(self, env_steps: int, busy: bool = False) -> None:
         now = time.monotonic()
-        if env_steps != self._steps:
+        if busy or env_steps != self._steps:
             self._steps, self._since = env_steps, now
             return
         limit = self.timeout_s if env_steps > 0 else self.first_step_s
         if now - self._since <= limit:
             return
+        self.fired = True
         raise RuntimeError(
             f"no env stepped for {limit:g} s while the learner waited for a trajectory "
             f"({env_steps} env steps so far): an env step that does not return? "
-            "(Sebulba.run's progress_timeout_s sets this limit; an inferencer thread "
-            "stuck in an env's own Python code cannot be stopped and runs on until the "
-            "process ends; async env workers are terminated.) Where the inferencer "
-            f"threads are:\n{thread_stacks(self.threads)}")
+            "(Sebulba.run's progress_timeout_s sets this limit.) Closing the envs ends "
+            "async env workers, which frees the threads waiting on them; a thread stuck in "
+            "an env's own code runs on until that code returns, as Python cannot stop a "
+            f"thread. Where the inferencer threads are:\n{thread_stacks(self.threads)}")
 
 
 def _coordination_client():

@@ -103,13 +103,16 @@ class RaisingEnv(CountingEnv):
 
 class HangingEnv(CountingEnv):
     """Its `hang_at`-th step does not return until `HangingEnv.release` is set (in an
-    async worker, a copy of the event that nothing sets: until the worker is ended)."""
+    async worker, a copy of the event that nothing sets: until the worker is ended);
+    with `close_hangs`, neither does its close once a step hung (as a close that needs
+    the lock the step waits for)."""
 
     release = threading.Event()
 
-    def __init__(self, hang_at: int = 20):
+    def __init__(self, hang_at: int = 20, close_hangs: bool = False):
         super().__init__()
         self.hang_at = hang_at
+        self.close_hangs = close_hangs
         self.steps = 0
 
     def step(self, action):
@@ -117,6 +120,10 @@ class HangingEnv(CountingEnv):
         if self.steps == self.hang_at:
             HangingEnv.release.wait()
         return super().step(action)
+
+    def close(self):
+        if self.close_hangs and self.steps >= self.hang_at:
+            HangingEnv.release.wait()
 
 
 class MadeOnlyInTheParentEnv(CountingEnv):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import sebulba
+from sebulba.watchdog import EnvStall
 from tests.conftest import sebulba_threads
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv, FaultyEnv, HangingEnv, RaisingEnv
@@ -49,14 +50,18 @@ def test_an_env_error_that_cannot_leave_its_worker_still_stops_the_run(no_leftov
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("vectorization,where", [
-    ("sync", "HangingEnv.release.wait()"),  # the env's own code, in the inferencer thread
-    ("async", "step_wait"),  # the inferencer waits for its worker
+@pytest.mark.parametrize("vectorization,close_hangs,where", [
+    # The env's own code, in the inferencer thread.
+    ("sync", False, "in step\n    HangingEnv.release.wait()"),
+    # The same, with a close that waits for the step's lock: closing must not hang.
+    ("sync", True, "in step\n    HangingEnv.release.wait()"),
+    ("async", False, "in step_wait"),  # the inferencer waits for its worker
 ])
 @pytest.mark.timeout(120)
-def test_an_env_step_that_never_returns_ends_the_run(vectorization, where, no_leftovers):
-    loop = make_loop(env=functools.partial(HangingEnv, 30), vectorization=vectorization,
-                     shutdown_timeout_s=1.0)
+def test_an_env_step_that_never_returns_ends_the_run(vectorization, close_hangs, where,
+                                                      no_leftovers):
+    env = functools.partial(HangingEnv, 30, close_hangs=close_hangs)
+    loop = make_loop(env=env, vectorization=vectorization, shutdown_timeout_s=1.0)
     start = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="no env stepped for 2 s") as caught:
@@ -68,11 +73,37 @@ def test_an_env_step_that_never_returns_ends_the_run(vectorization, where, no_le
         while sebulba_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
         HangingEnv.release.clear()
-    message = str(caught.value)
-    # Both groups' threads are shown where they stopped.
-    assert "sebulba-inferencer-0" in message and "sebulba-inferencer-1" in message, message
-    assert message.count(where) >= 2, message
-    assert elapsed < 30, elapsed  # startup, 2 s of stall, the shutdown
+    # Each group's thread is shown where it stopped.
+    sections = re.split(r"^(sebulba-inferencer-\d+), innermost \d+ frames:$",
+                        str(caught.value), flags=re.MULTILINE)
+    stacks = dict(zip(sections[1::2], sections[2::2], strict=True))
+    assert sorted(stacks) == ["sebulba-inferencer-0", "sebulba-inferencer-1"], sections
+    for name, stack in stacks.items():
+        assert where in stack, (name, stack)
+    assert elapsed < 30, elapsed  # startup, 2 s of stall, one shutdown_timeout_s
+
+
+def test_env_stall_counts_only_waiting_without_env_steps():
+    stall = EnvStall(0.2, threads=[], first_step_s=0.4)
+    stall.waiting(0)
+    time.sleep(0.3)
+    stall.check(0)  # before the first env step the limit is first_step_s
+    time.sleep(0.15)
+    with pytest.raises(RuntimeError, match="no env stepped for 0.4 s"):
+        stall.check(0)
+    assert stall.fired
+    stall = EnvStall(0.2, threads=[])
+    stall.waiting(10)
+    time.sleep(0.25)
+    stall.check(11)  # an env stepped: the clock restarts
+    time.sleep(0.25)
+    stall.check(11, busy=True)  # the learner's update still runs: no stall
+    time.sleep(0.1)
+    stall.check(11)
+    stall.waiting(11)  # a new wait restarts the clock
+    time.sleep(0.25)
+    with pytest.raises(RuntimeError, match=r"no env stepped for 0.2 s .*\(11 env steps"):
+        stall.check(11)
 
 
 def test_progress_timeout_must_be_positive():
