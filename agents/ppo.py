@@ -233,7 +233,8 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         start = jax.tree.map(lambda c: c[:, 0], cores)
         _, out = self.network.apply(nets, start, steps.obs, steps.first)
         values = out.value  # [E, T+1]
-        reward = normalization.scale_rewards(nets, steps.reward)  # identity unless scaling
+        reward = normalization.scale_rewards(  # identity unless scaling
+            nets, steps.reward, policy.reward_min_std(cfg))
         advantages = jax.vmap(gae_advantages, in_axes=(0, 0, 0, 0, None, None))(
             reward, values, steps.terminated, steps.truncated, cfg.discount, cfg.gae_lambda
         )  # [E, T]

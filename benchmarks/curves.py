@@ -11,6 +11,8 @@ seed's curve and their mean.
         --seeds=0,1,2 --plot=benchmarks/plots/ppo_halfcheetah.png
     python -m benchmarks.curves --agent=ppo --env=sebulba.memory_envs:sebulba/RepeatFirst-v0 \\
         --agent_config='{"use_lstm": true}'
+    python -m benchmarks.curves --agent=impala --env=CartPole-v1 --steps=1000000 \\
+        --seeds=0,1,2,3 --loop_config='{"envs_per_group": 32, "steps_per_cycle": 32}'
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int_list, default=[0])
     p.add_argument("--agent_config", type=json.loads, default={},
                    help="JSON object of agent config fields (default: none, the defaults)")
+    p.add_argument("--loop_config", type=json.loads, default={},
+                   help="JSON object of sebulba.Config fields besides env and seed "
+                        '(e.g. {"envs_per_group": 32, "steps_per_cycle": 32})')
     p.add_argument("--bins", type=int, default=20, help="points of the binned curve")
     p.add_argument("--plot", default="", help="PNG file to write the curves to")
     return p.parse_args(argv)
@@ -58,10 +63,12 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     entry = AGENTS[args.agent]
     agent_config = dataclasses.replace(entry.config_class(), **args.agent_config)
     agent = entry.build(sebulba.env_spec(args.env), agent_config)
-    result = sebulba.Sebulba(agent, sebulba.Config(env=args.env, seed=seed)).run(args.steps)
+    config = sebulba.Config(env=args.env, seed=seed, **args.loop_config)
+    result = sebulba.Sebulba(agent, config).run(args.steps)
     return {
         "record": "run", "agent": args.agent, "env": args.env, "seed": seed,
-        "agent_config": args.agent_config, "env_steps": result.env_steps,
+        "agent_config": args.agent_config, "loop_config": args.loop_config,
+        "env_steps": result.env_steps,
         "wall_seconds": round(result.wall_seconds, 1),
         "steps_per_second": round(result.steps_per_second, 1),
         "last_10pct_return": round(result.mean_return(0.9, 1.0), 2),

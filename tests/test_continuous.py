@@ -145,6 +145,33 @@ def test_agents_refuse_action_spaces_they_cannot_act_in():
 
 
 @pytest.mark.timeout(60)
+def test_rewards_scaled_down_are_never_made_larger():
+    reward = jnp.array([0.5, -2.0, 30.0])
+    for std, scaled_down in ((30.0, reward / 30.0), (0.1, reward)):
+        nets = normalization.with_reward_scaling({})
+        nets[normalization.COLLECTION]["reward"] = {
+            **nets[normalization.COLLECTION]["reward"], "var": jnp.float32(std ** 2)}
+        np.testing.assert_allclose(normalization.scale_rewards(nets, reward), reward / std,
+                                   rtol=1e-5)
+        np.testing.assert_allclose(normalization.scale_rewards(nets, reward, min_std=1.0),
+                                   scaled_down, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env,use_lstm,expected", [
+    ("CartPole-v1", False, "down"),  # discrete, feed-forward: large returns scaled down
+    ("CartPole-v1", True, "auto"),  # the LSTM scales them both ways, as PPO's does
+    ("Pendulum-v1", False, "auto"),  # Box actions: scaled both ways
+])
+def test_impala_scales_rewards_by_default(env, use_lstm, expected):
+    agent = IMPALA(sebulba.env_spec(env), IMPALAConfig(use_lstm=use_lstm))
+    assert agent.config.normalize_rewards == expected
+    assert agent.return_discount == agent.config.discount  # the actors accumulate returns
+    ppo = PPO(sebulba.env_spec("CartPole-v1"), PPOConfig())
+    assert ppo.return_discount is None  # PPO's feed-forward discrete default: raw rewards
+
+
+@pytest.mark.timeout(60)
 def test_moments_merge_batches_as_numpy_computes_them():
     rng = np.random.default_rng(0)
     batches = [rng.normal(3.0, 2.0, (4, 5, 3)).astype(np.float32) for _ in range(3)]

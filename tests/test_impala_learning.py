@@ -29,24 +29,14 @@ def train(env: str, total_env_steps: int, seed: int, agent_config: IMPALAConfig,
 
 @pytest.mark.timeout(600)
 def test_impala_solves_cartpole_in_1m_steps(no_leftovers):
-    # A uniformly random policy scores ~22. Measured last-10% means at 1M with 32 envs per
-    # group: 498, 500, 500 (seeds 0, 1, 2); ~40-60 s each on 2 shared cores, so this runs
-    # by default. With 16 envs per group (updates twice as often, from half the data) it
-    # learns sooner (263, 202, 236 at 150k) but can collapse late: 483, 123, 278 at 1M.
-    #
-    # Runs are not deterministic (thread timing decides which networks act), and on
-    # 2026-11-23, after the acting path was rebuilt, 2 of 8 runs collapsed late: seed 0
-    # once ended at 273, seed 1 once at 27 (and at 500 when rerun). Until that is
-    # understood, another seed is tried when one misses; all figures are reported. On
-    # 2026-11-26 seeds 0 and 1 both missed once in a full suite (187, 269), hence three.
-    returns = []
-    for seed in (0, 1, 2):
-        r = train("CartPole-v1", 1_000_000, seed=seed, agent_config=IMPALAConfig(),
-                  envs_per_group=32)
-        returns.append(r.mean_return(0.9, 1.0))
-        if returns[-1] >= 300:
-            break
-    assert max(returns) >= 300, (returns, r.summary())
+    # A uniformly random policy scores ~22. With raw rewards 6 of 16 runs (32 envs per
+    # group, 1M steps) fell from 500 late, to 10-433: the value's large errors on raw
+    # returns set how far the clipped global norm shrank the policy's steps. With large
+    # returns scaled down (the default since 2026-11-26) 8 of 8 ended at 488-498, and 16
+    # of 16 scaled both ways at 489-497; ~20 s each on 2 cores (benchmarks/RESULTS.md,
+    # "IMPALA's late collapse on CartPole"). One seed.
+    r = train("CartPole-v1", 1_000_000, seed=0, agent_config=IMPALAConfig(), envs_per_group=32)
+    assert r.mean_return(0.9, 1.0) >= 300, r.summary()
 
 
 @pytest.mark.timeout(400)

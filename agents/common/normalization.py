@@ -122,14 +122,14 @@ def with_reward_scaling(nets: Any) -> Any:
     return {**nets, COLLECTION: stats}
 
 
-def scale_rewards(nets: Any, reward: jax.Array) -> jax.Array:
-    """Rewards divided by the running std of the discounted return, where `nets` hold
-    reward moments; unchanged otherwise."""
+def scale_rewards(nets: Any, reward: jax.Array, min_std: float = 0.0) -> jax.Array:
+    """Rewards divided by the running std of the discounted return (or by `min_std` if
+    that is larger), where `nets` hold reward moments; unchanged otherwise."""
     stats = nets.get(COLLECTION, {}) if isinstance(nets, dict) else {}
     if "reward" not in stats:
         return reward
     var = jax.lax.stop_gradient(stats["reward"]["var"])
-    return reward / jnp.sqrt(var + EPSILON)
+    return reward / jnp.maximum(jnp.sqrt(var + EPSILON), min_std)
 
 
 def discounted_return(accumulated: jax.Array, reward: jax.Array, first: jax.Array,

@@ -29,6 +29,7 @@ def sample(keys: jax.Array, dist: distributions.Distribution) -> tuple[jax.Array
 
 
 SWITCHES = ("auto", "on", "off")
+REWARD_SWITCHES = ("auto", "on", "down", "off")  # "down": only a std above 1 divides
 
 
 def switch_on(value: str, action_space: gym.Space) -> bool:
@@ -46,9 +47,11 @@ class ActorCriticOptions:
       normalize_observations: "auto" | "on" | "off": standardize vector observations by
         running moments learnt on the learner and published with the networks
         (`agents.common.normalization`); "auto": on for Box action spaces.
-      normalize_rewards: "auto" | "on" | "off": divide rewards, for learning only, by the
-        running std of the discounted return (the actors accumulate it; the learner
-        keeps the moments); "auto": on for Box action spaces and with an LSTM. An LSTM
+      normalize_rewards: "auto" | "on" | "down" | "off": divide rewards, for learning
+        only, by the running std of the discounted return (the actors accumulate it; the
+        learner keeps the moments); "down": by that std only where it exceeds 1 (large
+        returns are brought to unit scale, small rewards are left as they are); "auto":
+        on for Box action spaces and with an LSTM (IMPALA: "down" otherwise). An LSTM
         agent then learns with one setting whether a step earns 1/50 (RepeatFirst-v0) or
         1 (CartPole without velocities): unscaled, the value's gradients on returns of
         ~100 fill the clipped global norm and PPO's LSTM policy stalled near 220 there
@@ -77,9 +80,10 @@ class ActorCriticOptions:
     shared_core: bool = False
 
     def __post_init__(self):
-        for name in ("normalize_observations", "normalize_rewards"):
-            if getattr(self, name) not in SWITCHES:
-                raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
+        for name, allowed in (("normalize_observations", SWITCHES),
+                              ("normalize_rewards", REWARD_SWITCHES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not self.gaussian_entropy_cost >= 0.0:
             raise ValueError(
                 f"gaussian_entropy_cost must be >= 0, got {self.gaussian_entropy_cost!r}")
@@ -103,9 +107,16 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
             central_agents=env_spec.agents_per_env if options.central_value else 1,
             normalize_observations=switch_on(options.normalize_observations,
                                              env_spec.action_space))
-    scale = (switch_on(options.normalize_rewards, env_spec.action_space)
+    scale = (options.normalize_rewards == "down"
+             or switch_on(options.normalize_rewards, env_spec.action_space)
              or (options.normalize_rewards == "auto" and lstm_size > 0))
     return network, discount if scale else None
+
+
+def reward_min_std(options: ActorCriticOptions) -> float:
+    """The least std `normalization.scale_rewards` divides rewards by: 1 for "down" (it
+    never makes them larger), 0 otherwise."""
+    return 1.0 if options.normalize_rewards == "down" else 0.0
 
 
 def twin_lstm_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
