@@ -43,8 +43,8 @@ OPTIMIZERS = ("adam", "rmsprop")
 
 @dataclasses.dataclass(frozen=True)
 class IMPALAConfig(policy.ActorCriticOptions):
-    """Hyperparameters; the defaults learn CartPole-v1 with T = 32 (16 envs per group
-    learn fastest; 32 are steadier over 1M steps: tests/test_impala_learning.py). With
+    """Hyperparameters; the defaults learn CartPole-v1 with T = 32 and 16 or 32 envs per
+    group (benchmarks/RESULTS.md, "IMPALA's late collapse on CartPole"). With
     `use_lstm` several defaults differ, so that the LSTM agent learns the memory suite
     (RepeatFirst-v0 and RepeatPrevious-v0 at 1/46-1/50 a step, CartPoleNoVelocity-v1 at
     1 a step) with one setting (benchmarks/RESULTS.md, "The memory suite"):
@@ -58,13 +58,14 @@ class IMPALAConfig(policy.ActorCriticOptions):
     - lambda 0.9.
     The feed-forward agent divides rewards by the running std of the discounted return
     where it exceeds 1 (`normalize_rewards` "auto" means "down" here, where PPO's leaves
-    discrete rewards raw). With raw CartPole returns (up to ~100) the value's gradient
-    was 15-50x the policy's and so set how far the clipped global norm shrank the
-    policy's step; where an episode first failed after a stretch at the optimum, single
-    updates moved the policy by KL 0.01 to 0.5: 6 of 16 runs fell from 500 to 10-433 late
-    in 1M steps. Small rewards stay as they are: scaled up, the fixed entropy bonus
-    weighs less, and RoleCall's smallest rewards stopped at 2/3 of the optimum
-    (benchmarks/RESULTS.md, "IMPALA's late collapse on CartPole").
+    discrete rewards raw; with `reward_clip` it means "off"). With raw CartPole returns
+    (up to ~100) the value's gradient was 15-50x the policy's and so set how far the
+    clipped global norm shrank the policy's step; where an episode first failed after a
+    stretch at the optimum, single updates moved the policy by KL 0.01 to 0.5: 6 of 16
+    runs fell from 500 to 10-433 late in 1M steps. Small rewards stay as they are:
+    scaled up, the fixed entropy bonus weighs less, and RoleCall's smallest rewards
+    stopped at 2/3 of the optimum (benchmarks/RESULTS.md, "IMPALA's late collapse on
+    CartPole").
     The fields of `policy.ActorCriticOptions` (normalization, the Gaussian's std) come
     first.
 
@@ -180,7 +181,9 @@ class IMPALAConfig(policy.ActorCriticOptions):
         lstm = self.use_lstm
         rewards = self.normalize_rewards
         if rewards == "auto" and not lstm and not isinstance(action_space, gym.spaces.Box):
-            rewards = "down"  # where "auto" would leave them raw
+            # Where "auto" would leave them raw; clipped rewards keep the scale the user
+            # chose (the paper's Atari agent learns them so).
+            rewards = "off" if self.reward_clip > 0.0 else "down"
         num_minibatches = self.num_minibatches or (4 if lstm else 1)
         num_epochs = self.num_epochs or (4 if lstm else 1)
         normalize = self.normalize_advantages

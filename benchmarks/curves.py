@@ -39,7 +39,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         '(e.g. {"envs_per_group": 32, "steps_per_cycle": 32})')
     p.add_argument("--bins", type=int, default=20, help="points of the binned curve")
     p.add_argument("--plot", default="", help="PNG file to write the curves to")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("agent_config", "loop_config"):
+        if not isinstance(getattr(args, name), dict):
+            p.error(f"--{name} must be a JSON object, got {getattr(args, name)!r}")
+    if {"env", "seed"} & set(args.loop_config):
+        p.error("--loop_config sets neither env nor seed: use --env and --seeds")
+    return args
 
 
 def binned_curve(episodes: list[tuple[int, float, int]], total: int, bins: int

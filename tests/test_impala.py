@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import sebulba
+from agents.common import normalization
 from agents.impala import IMPALA, IMPALAConfig
 from sebulba.envs import example_env_step
 
@@ -150,6 +151,29 @@ def test_reward_clipping_bounds_the_rewards_learnt_from():
 
     assert loss(clipped, 100.0) == pytest.approx(loss(plain, 1.0), rel=1e-5)
     assert loss(plain, 100.0) != pytest.approx(loss(plain, 1.0), rel=1e-2)
+
+
+@pytest.mark.timeout(60)
+def test_the_loss_scales_large_returns_down_and_leaves_small_ones():
+    # The default ("down") divides by the std of the return only where it exceeds 1.
+    down, on = IMPALA(SPEC, IMPALAConfig()), IMPALA(SPEC, IMPALAConfig(normalize_rewards="on"))
+    off = IMPALA(SPEC, IMPALAConfig(normalize_rewards="off"))
+    nets = down.new_networks(jax.random.key(0))
+    raw = {k: v for k, v in nets.items() if k != normalization.COLLECTION}  # no moments
+
+    def with_std(std):
+        stats = nets[normalization.COLLECTION]
+        return {**nets, normalization.COLLECTION: {
+            **stats, "reward": {**stats["reward"], "var": jnp.float32(std ** 2)}}}
+
+    def loss(agent, nets, reward):
+        return float(agent.loss(nets, (), _experience(agent, nets, reward))[0])
+
+    small, large = with_std(0.1), with_std(30.0)
+    assert loss(down, small, 1.0) == pytest.approx(loss(off, raw, 1.0), rel=1e-5)
+    assert loss(on, small, 1.0) == pytest.approx(loss(off, raw, 10.0), rel=1e-5)
+    assert loss(down, large, 30.0) == pytest.approx(loss(on, large, 30.0), rel=1e-5)
+    assert loss(down, large, 30.0) == pytest.approx(loss(off, raw, 1.0), rel=1e-5)
 
 
 @pytest.mark.timeout(60)

@@ -51,7 +51,8 @@ class ActorCriticOptions:
         only, by the running std of the discounted return (the actors accumulate it; the
         learner keeps the moments); "down": by that std only where it exceeds 1 (large
         returns are brought to unit scale, small rewards are left as they are); "auto":
-        on for Box action spaces and with an LSTM (IMPALA: "down" otherwise). An LSTM
+        on for Box action spaces and with an LSTM (IMPALA: "down" otherwise,
+        "off" with its `reward_clip`). An LSTM
         agent then learns with one setting whether a step earns 1/50 (RepeatFirst-v0) or
         1 (CartPole without velocities): unscaled, the value's gradients on returns of
         ~100 fill the clipped global norm and PPO's LSTM policy stalled near 220 there
