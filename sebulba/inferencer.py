@@ -312,6 +312,18 @@ def fetch_polling(x: jax.Array, poll_s: float) -> np.ndarray:
     return np.asarray(x)
 
 
+def _copies_early(device: jax.Device) -> bool:
+    """Whether an acting call's outputs on `device` start their copies to the host as soon
+    as the call is dispatched: on an accelerator each fetch is a round trip, and the
+    action and the extras then arrive in one (on the CPU they are host memory already)."""
+    return device.platform != "cpu"
+
+
+def _start_host_copies(output: ActorOutput) -> None:
+    for x in jax.tree.leaves(output):
+        x.copy_to_host_async()
+
+
 def _host_output(action: np.ndarray, output: ActorOutput) -> list[np.ndarray]:
     """A sent step's outputs on the host, as ActorOutput's leaves: its action (fetched to
     send it) and its extras, fetched now (ready since the step's call). Leaves, not a
@@ -368,6 +380,7 @@ class EnvGroupRunner:
         self.lockstep = lockstep
         self.action_poll_s = action_poll_s
         self._nets = (None, ())  # the staging area's latest networks, and their leaves
+        self.copies_early = _copies_early(device)
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
         self.finished = False  # the thread left its loop without an error
 
@@ -442,6 +455,8 @@ class EnvGroupRunner:
                 record = _Cycle(version, env_step, source.num_envs, steps)
             output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
             self.state = self.state._replace(step_state=step_state)
+            if self.copies_early:
+                _start_host_copies(output)
             # While the device computes:
             self.accounting.add_episodes(source.pop_episodes())
             record.write_env_step(None, t, env_step, None)
@@ -548,6 +563,8 @@ class EnvGroupRunner:
             output, step_state = self.acting.act(nets, self.state.step_state, ids32,
                                                  env_step)
             self.state = self.state._replace(step_state=step_state)
+            if self.copies_early:
+                _start_host_copies(output)
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: tally the episodes that ended, write this
             # batch's env steps and the sent batch's outputs (pipelined; its envs are not

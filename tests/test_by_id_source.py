@@ -82,8 +82,10 @@ class ScriptedPool:
         pass
 
 
-def run_until_pushed(pool: ScriptedPool, cycles: int) -> dict[int, list]:
-    """Drives `pool` with an inferencer thread until each group pushed `cycles` cycles."""
+def run_until_pushed(pool: ScriptedPool, cycles: int, copies_early: bool = False
+                     ) -> dict[int, list]:
+    """Drives `pool` with an inferencer thread until each group pushed `cycles` cycles;
+    `copies_early`: the outputs' host copies start at dispatch, as on an accelerator."""
     agent = TaggingAgent(sebulba.EnvSpec(OBS_SPACE, gym.spaces.Discrete(2)))
     device = jax.devices()[0]
     key = jax.random.key(0)
@@ -99,6 +101,7 @@ def run_until_pushed(pool: ScriptedPool, cycles: int) -> dict[int, list]:
         acting=ActingFunctions(agent, T), staging=staging, learner_devices=[device],
         out_queue=items, drop_when_full=False, stop=stop, errors=errors,
         accounting=Accounting())
+    runner.copies_early = copies_early
     thread = threading.Thread(target=runner, name="sebulba-test-by-id")
     thread.start()
     pushed: dict[int, list] = {g: [] for g in range(GROUPS)}
@@ -146,9 +149,10 @@ def check_rows_in_order(pushed: dict[int, list]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_mixed_batches_fill_each_envs_own_row_in_order():
+@pytest.mark.parametrize("copies_early", [False, True])
+def test_mixed_batches_fill_each_envs_own_row_in_order(copies_early):
     pool = ScriptedPool(seed=0)
-    pushed = run_until_pushed(pool, cycles=8)
+    pushed = run_until_pushed(pool, cycles=8, copies_early=copies_early)
     # The script did reach the general path: batches of several groups, and envs of
     # one batch at different steps (so at different cursors, often in different cycles).
     assert pool.mixed_groups > 10 and pool.mixed_steps > 10

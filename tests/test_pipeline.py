@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import sebulba
+import sebulba.inferencer
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
@@ -96,6 +97,20 @@ def test_each_shard_gets_its_envs_in_order(async_factor, inference, learner, no_
                 assert tuple(obs[t + 1]) == expected_next(tuple(obs[t]), None), (env_id, obs)
                 assert first[t + 1] == (obs[t][2] == EPISODE_LENGTH)
             previous_last = obs[-1]
+
+
+@pytest.mark.timeout(120)
+def test_early_host_copies_deliver_the_same_stream(monkeypatch, no_leftovers):
+    # On an accelerator the acting call's outputs start their copies to the host at
+    # dispatch (`inferencer._copies_early`); forced here on the CPU.
+    monkeypatch.setattr(sebulba.inferencer, "_copies_early", lambda device: True)
+    cfg, result = run_counting(2, [0], [0, 1], cycles_per_group=3)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    log = jax.tree.map(np.asarray, result.learner_experience)
+    assert int(log.size[0]) == int(log.size[1]) == result.consumed // (4 * 3) > 0
+    for traj in log.obs[0, : int(log.size[0])].reshape(-1, 4, 3):
+        for t in range(3):
+            assert tuple(traj[t + 1]) == expected_next(tuple(traj[t]), None)
 
 
 @pytest.mark.timeout(120)
