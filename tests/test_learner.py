@@ -148,7 +148,10 @@ def test_run_reports_accounting_and_stage_times(no_leftovers):
     json.dumps(d)
     for stage in ("env_step", "inference", "shard", "queue_get", "update_experience",
                   "optimize"):
-        assert d["stage_seconds"][stage] > 0, stage
+        # Unrounded: as_dict's milliseconds can round a fast stage (the counting agent's
+        # inference, ~1 us a step) down to 0.
+        assert result.stage_seconds[stage] > 0, stage
+        assert stage in d["stage_seconds"], stage
     assert d["episodes"] == len(result.episodes) > 0
     assert all(length == 5 and ret == 5.0 for _, ret, length in result.episodes)
     assert "env steps" in result.summary() and "policy lag" in result.summary()
