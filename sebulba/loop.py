@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from sebulba import sharding
 from sebulba.accounting import Accounting, RunResult
 from sebulba.agent import Agent, Layout
+from sebulba.async_workers import CLOSE_TIMEOUT_S
 from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.config import Config
 from sebulba.envpool_source import EnvPoolSource
@@ -420,6 +421,7 @@ class Sebulba:
                 break
             except queue.Empty:
                 if stall is not None:
+                    errors.raise_if_any()  # a thread's own error says more than a stall
                     stall.check(accounting.env_steps, self.learner.device_busy())
         accounting.add_time("queue_get", time.perf_counter() - t0)
         return item
@@ -427,7 +429,8 @@ class Sebulba:
     def _shut_down(self, threads: list[threading.Thread], runners: list[EnvGroupRunner],
                    *, stalled: bool = False) -> list[str]:
         """Stops every thread and env, waiting at most about 2 x shutdown_timeout_s (one
-        after a stall, whose threads are known to be stuck).
+        after a stall, whose threads are known to be stuck; plus the async workers'
+        `CLOSE_TIMEOUT_S` where a stuck thread's env is closed).
 
         Returns the names of threads still alive after that: inferencers stuck in user
         code, and closes of their envs that did not return (`<inferencer>-closing`).
@@ -448,7 +451,8 @@ class Sebulba:
                 closing[-1].start()
             else:
                 _close_quietly(r.source)
-        deadline = time.monotonic() + timeout
+        # An async env's close may take CLOSE_TIMEOUT_S (a worker that outlives SIGTERM).
+        deadline = time.monotonic() + timeout + (CLOSE_TIMEOUT_S if closing else 0.0)
         for t in closing + threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in threads + closing if t.is_alive()]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import sebulba
+from sebulba import inferencer
 from sebulba.accounting import Accounting
 from sebulba.channels import ErrorBox, Staging
 from sebulba.envs import EpisodeTracker
@@ -150,9 +151,14 @@ def check_rows_in_order(pushed: dict[int, list]) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("copies_early", [False, True])
-def test_mixed_batches_fill_each_envs_own_row_in_order(copies_early):
+def test_mixed_batches_fill_each_envs_own_row_in_order(copies_early, monkeypatch):
+    copied = []
+    start = inferencer._start_host_copies
+    monkeypatch.setattr(inferencer, "_start_host_copies",
+                        lambda output: (copied.append(1), start(output)))
     pool = ScriptedPool(seed=0)
     pushed = run_until_pushed(pool, cycles=8, copies_early=copies_early)
+    assert bool(copied) == copies_early  # an accelerator's early host copies, if asked
     # The script did reach the general path: batches of several groups, and envs of
     # one batch at different steps (so at different cursors, often in different cycles).
     assert pool.mixed_groups > 10 and pool.mixed_steps > 10

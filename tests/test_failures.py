@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import sebulba
+import sebulba.watchdog
 from sebulba.watchdog import EnvStall
 from tests.conftest import sebulba_threads
 from tests.counting_agent import CountingAgent
@@ -83,27 +84,33 @@ def test_an_env_step_that_never_returns_ends_the_run(vectorization, close_hangs,
     assert elapsed < 30, elapsed  # startup, 2 s of stall, one shutdown_timeout_s
 
 
-def test_env_stall_counts_only_waiting_without_env_steps():
-    stall = EnvStall(0.2, threads=[], first_step_s=0.4)
+@pytest.mark.timeout(60)
+def test_env_stall_counts_only_waiting_without_env_steps(monkeypatch):
+    now = [100.0]  # a fake clock: seconds advance only when the test says so
+    monkeypatch.setattr(sebulba.watchdog.time, "monotonic", lambda: now[0])
+    stall = EnvStall(2.0, threads=[], first_step_s=4.0)
     stall.waiting(0)
-    time.sleep(0.3)
+    now[0] += 3.0
     stall.check(0)  # before the first env step the limit is first_step_s
-    time.sleep(0.15)
-    with pytest.raises(RuntimeError, match="no env stepped for 0.4 s"):
+    now[0] += 1.5
+    with pytest.raises(RuntimeError, match="no env stepped for 4 s"):
         stall.check(0)
     assert stall.fired
-    stall = EnvStall(0.2, threads=[])
+    stall = EnvStall(2.0, threads=[])
     stall.waiting(10)
-    time.sleep(0.25)
+    now[0] += 2.5
     stall.check(11)  # an env stepped: the clock restarts
-    time.sleep(0.25)
-    stall.check(11, busy=True)  # the learner's update still runs: no stall
-    time.sleep(0.1)
+    now[0] += 2.5
+    stall.check(11, busy=True)  # the learner's update still runs: the clock restarts
+    now[0] += 1.0
     stall.check(11)
     stall.waiting(11)  # a new wait restarts the clock
-    time.sleep(0.25)
-    with pytest.raises(RuntimeError, match=r"no env stepped for 0.2 s .*\(11 env steps"):
+    now[0] += 1.5
+    stall.check(11)
+    now[0] += 1.0
+    with pytest.raises(RuntimeError, match=r"no env stepped for 2 s .*\(11 env steps"):
         stall.check(11)
+    assert stall.fired
 
 
 def test_progress_timeout_must_be_positive():
