@@ -71,9 +71,10 @@ import sebulba
 from agents.common import networks, normalization
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
-from sebulba import observations, target_network
+from sebulba import target_network
+from sebulba.envs import observations
 from sebulba.experience import replay as rp
-from sebulba.sharding import LEARNER_AXIS
+from sebulba.runtime.sharding import LEARNER_AXIS
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 
 

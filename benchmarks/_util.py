@@ -108,7 +108,7 @@ def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
     recv, then send random actions for the envs it returned, over and over."""
     import numpy as np
 
-    from sebulba.envpool_source import make_pool
+    from sebulba.envs.envpool_source import make_pool
 
     pool = make_pool(task_id, num_groups * group_size, group_size, seed)
     try:
@@ -144,7 +144,7 @@ def inference_only(agent, num_envs: int, calls: int, seed: int,
 
     import sebulba
     from sebulba.envs import example_env_step
-    from sebulba.inferencer import fetch_polling
+    from sebulba.runtime.inferencer import fetch_polling
 
     poll_s = _poll_seconds(poll_s)
 
@@ -176,8 +176,8 @@ def learner_only(loop, updates: int, seed: int = 0) -> float:
     import jax
 
     import sebulba
-    from sebulba import sharding
-    from sebulba.channels import QueueItem
+    from sebulba.runtime import sharding
+    from sebulba.runtime.channels import QueueItem
 
     cfg, agent, devices = loop.config, loop.agent, loop.learner_devices
     state = loop.initial_state()
@@ -211,7 +211,7 @@ def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,
     import numpy as np
 
     import sebulba
-    from sebulba.inferencer import fetch_polling
+    from sebulba.runtime.inferencer import fetch_polling
 
     poll_s = _poll_seconds(poll_s)
 
@@ -253,8 +253,8 @@ def bare_pool_loop(agent, task_id: str, group_size: int, num_groups: int, batche
     import numpy as np
 
     import sebulba
-    from sebulba.envpool_source import make_pool
-    from sebulba.inferencer import fetch_polling
+    from sebulba.envs.envpool_source import make_pool
+    from sebulba.runtime.inferencer import fetch_polling
 
     poll_s = _poll_seconds(poll_s)
 

@@ -9,7 +9,7 @@ seed's curve and their mean.
     python -m benchmarks.curves --agent=ppo --env=InvertedPendulum-v5 --steps=300000
     python -m benchmarks.curves --agent=ppo --env=HalfCheetah-v5 --steps=1000000 \\
         --seeds=0,1,2 --plot=benchmarks/plots/ppo_halfcheetah.png
-    python -m benchmarks.curves --agent=ppo --env=sebulba.memory_envs:sebulba/RepeatFirst-v0 \\
+    python -m benchmarks.curves --agent=ppo --env=sebulba.envs.suite:sebulba/RepeatFirst-v0 \\
         --agent_config='{"use_lstm": true}'
     python -m benchmarks.curves --agent=impala --env=CartPole-v1 --steps=1000000 \\
         --seeds=0,1,2,3 --loop_config='{"envs_per_group": 32, "steps_per_cycle": 32}'

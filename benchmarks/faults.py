@@ -254,7 +254,7 @@ def api_run(fault: str, work: str) -> dict:
 def peer_run(fault: str, process_id: int, port: int, work: str) -> dict:
     """One process of a 2-process run; notes when it is past update 3."""
     os.environ[MARKER] += f"/{process_id}"  # its env workers: left_behind finds only them
-    from sebulba import distributed
+    from sebulba.runtime import distributed
 
     distributed.initialize(f"127.0.0.1:{port}", 2, process_id,
                            heartbeat_timeout_seconds=HEARTBEAT_S[fault])
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         record = peer_run(args.child, int(args.process_id), int(args.port), args.work)
         print(json.dumps(record), flush=True)
         if record["error"] != "the run returned":  # as the launcher ends a failed process
-            from sebulba import distributed
+            from sebulba.runtime import distributed
             distributed.end_failed_process("the run failed (traceback above)")
         return
     from benchmarks._util import emit, meta, str_list

@@ -40,13 +40,13 @@ class Task:
 
 
 TASKS = {
-    "repeat_first": Task("sebulba.memory_envs:sebulba/RepeatFirst-v0", 1.0, 0.265),
-    "repeat_previous": Task("sebulba.memory_envs:sebulba/RepeatPrevious-v0", 1.0, 0.25),
-    "cartpole_no_velocity": Task("sebulba.memory_envs:sebulba/CartPoleNoVelocity-v1", 500.0,
+    "repeat_first": Task("sebulba.envs.suite:sebulba/RepeatFirst-v0", 1.0, 0.265),
+    "repeat_previous": Task("sebulba.envs.suite:sebulba/RepeatPrevious-v0", 1.0, 0.25),
+    "cartpole_no_velocity": Task("sebulba.envs.suite:sebulba/CartPoleNoVelocity-v1", 500.0,
                                  22.0),
-    "count_recall": Task("sebulba.memory_envs:sebulba/CountRecall-v0", 1.0, 0.1),
+    "count_recall": Task("sebulba.envs.suite:sebulba/CountRecall-v0", 1.0, 0.1),
     "repeat_first_continuous": Task(
-        "sebulba.memory_envs:sebulba/RepeatFirstContinuous-v0", 1.0, 0.265),
+        "sebulba.envs.suite:sebulba/RepeatFirstContinuous-v0", 1.0, 0.265),
 }
 THRESHOLD = 0.8
 

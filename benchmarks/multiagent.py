@@ -39,7 +39,7 @@ def source_only(num_envs: int, vector_steps: int, seed: int) -> float:
     """Agent steps/second of one group's env source alone, on uniformly random actions."""
     import numpy as np
 
-    from sebulba.multiagent import ParallelEnvSource, make_parallel_env
+    from sebulba.envs.pettingzoo_source import ParallelEnvSource, make_parallel_env
 
     source = ParallelEnvSource([make_parallel_env(ENV) for _ in range(num_envs)])
     try:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import sebulba
     from agents.spg import SPG, SPGConfig
-    from sebulba.envs import make_vector_env
+    from sebulba.envs.gymnasium_source import make_vector_env
 
     started = time.perf_counter()
     emit(meta("overlap", vars(args)))

@@ -26,7 +26,7 @@ from benchmarks._util import emit, int_list, meta
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.r2d2", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--env", default="sebulba.memory_envs:sebulba/CartPoleNoVelocity-v1")
+    p.add_argument("--env", default="sebulba.envs.suite:sebulba/CartPoleNoVelocity-v1")
     p.add_argument("--total_env_steps", type=int, default=100_000)
     p.add_argument("--updates_per_trajectory", type=int_list, default=[1, 2, 4])
     p.add_argument("--envs_per_group", type=int, default=16)
@@ -62,7 +62,7 @@ def learner_only(args: argparse.Namespace) -> float:
     import sebulba
     from agents.r2d2 import R2D2
     from sebulba.experience import replay as rp
-    from sebulba.learner import optimizer_step, per_learner_device
+    from sebulba.runtime.learner import optimizer_step, per_learner_device
 
     agent = R2D2(sebulba.env_spec(args.env), agent_config(args, 1))
     device = jax.devices()[:1]

@@ -2,7 +2,7 @@
 `--seconds`, the process's resident set size (RSS, from /proc/self/status) sampled every
 `--sample_seconds` from the learner's update callback. After warm-up (compilation, the
 first queue fills) RSS should stay flat: the per-episode and per-trajectory records are
-bounded windows (`sebulba.accounting`), nothing else grows with the run.
+bounded windows (`sebulba.runtime.accounting`), nothing else grows with the run.
 
 Records (JSON lines): meta, calibration (steps/s of a short run, which sizes the long
 one), one sample per interval, then a summary: RSS after warm-up (at 10% of the run) and
@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sample_seconds", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=0,
-                   help="episode and policy-lag records kept (0: sebulba.accounting's "
+                   help="episode and policy-lag records kept (0: sebulba.runtime.accounting's "
                         "100,000); a smaller window fills within a 10-minute run, so the "
                         "plateau after it shows")
     return p.parse_args(argv)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import sebulba
     from agents.ppo import PPO
-    from sebulba import accounting
+    from sebulba.runtime import accounting
 
     if args.window:  # read when a run's Accounting is made
         accounting.EPISODE_WINDOW = accounting.LAG_WINDOW = args.window

@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure_bounds(args: argparse.Namespace, loop) -> dict[str, float]:
     """Env-only and learner-only env steps/second for `loop`'s configuration, alone."""
     from benchmarks._util import env_only, envpool_only, learner_only
-    from sebulba.envs import make_vector_env
+    from sebulba.envs.gymnasium_source import make_vector_env
 
     cfg = loop.config
     vector_steps = 200

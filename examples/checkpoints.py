@@ -14,7 +14,8 @@ import jax
 import sebulba
 from agents.registry import AGENTS
 from sebulba.checkpoint import Checkpointer
-from sebulba.envs import EnvFactory, make_env
+from sebulba.envs.gymnasium_source import EnvFactory, make_env
+from sebulba.evaluation import evaluation_vectorization
 
 
 def checkpoint_dir(path: str) -> str:
@@ -23,8 +24,9 @@ def checkpoint_dir(path: str) -> str:
 
 
 def eval_vectorization(meta: dict) -> str:
-    """Evaluation steps envs in-process; only an id's own vector env changes the spaces."""
-    return "vector_entry_point" if meta.get("vectorization") == "vector_entry_point" else "sync"
+    """The vectorization that evaluates the checkpoint's policy in process, with the
+    spaces it was trained on; ValueError where evaluation does not support its run's."""
+    return evaluation_vectorization(meta.get("vectorization", "sync"))
 
 
 def eval_env(meta: dict) -> tuple[str | EnvFactory, dict[str, Any] | None]:
@@ -48,14 +50,14 @@ def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, obje
         entry = AGENTS.get(meta["agent"])
         if entry is None:
             raise ValueError(f"checkpoint agent {meta['agent']!r} is not one of {sorted(AGENTS)}")
-        if meta.get("vectorization") == "pettingzoo":
-            raise ValueError(
-                f"checkpoint {path!r} is of a multi-agent run (vectorization 'pettingzoo'); "
-                "evaluating multi-agent policies is not supported yet")
+        try:
+            vectorization = eval_vectorization(meta)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {path!r}: {e}") from None
         config = entry.config_class(**{
             k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
         agent = entry.build(
-            sebulba.env_spec(meta["env"], meta["env_kwargs"], eval_vectorization(meta),
+            sebulba.env_spec(meta["env"], meta["env_kwargs"], vectorization,
                              env_wrappers=meta.get("env_wrappers") or ()), config)
         like = agent.new_networks(jax.random.key(0))
         restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)

@@ -27,8 +27,8 @@ from typing import Any, NoReturn
 from absl import app, flags
 
 import sebulba
-from sebulba.envs import VECTORIZATIONS
-from sebulba.wrappers import parse_wrappers
+from sebulba.envs import registry
+from sebulba.envs.wrappers import parse_wrappers
 
 # Flags defined by the functions below belong to the module that calls them (the launcher),
 # so that `--helpshort` lists them and `--helpfull` groups them under it.
@@ -300,8 +300,8 @@ RUN_FLAG_CONVERSIONS: dict[str, FlagConversion] = {
     "env_kwargs": FlagConversion(_define_env_kwargs, _parse_env_kwargs),
     # Sequence of wrapper names (or callables, from Python): the names, comma-separated.
     "env_wrappers": FlagConversion(_define_env_wrappers, _parse_env_wrappers),
-    # str, one of VECTORIZATIONS: an enum, checked when the flags are parsed.
-    "vectorization": FlagConversion(_define_enum(VECTORIZATIONS), _identity),
+    # str, a registered vectorization: an enum, checked when the flags are parsed.
+    "vectorization": FlagConversion(_define_enum(registry.names()), _identity),
     # Sequence of device indices or jax.Device | None: comma-separated indices, unset = None.
     "inference_devices": FlagConversion(_define_devices, _parse_devices),
     "learner_devices": FlagConversion(_define_devices, _parse_devices),

@@ -12,6 +12,7 @@ from absl import app, flags
 
 from examples.checkpoints import eval_env, eval_vectorization, load_policy
 from examples.config_flags import run_main
+from sebulba.envs import registry
 from sebulba.evaluation import evaluate, record_video
 
 _CHECKPOINT = flags.DEFINE_string(
@@ -32,10 +33,13 @@ def main(argv: list[str]) -> None:
         agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
     except FileNotFoundError as e:
         raise app.UsageError(f"--checkpoint={_CHECKPOINT.value}: {e}") from None
-    if _VIDEO_DIR.value and eval_vectorization(meta) == "vector_entry_point":
+    vectorization = eval_vectorization(meta)
+    # A video is of one env made from the id: the run's spaces only where the run's kind
+    # made each env itself (an id's own vector env may preprocess frames).
+    if _VIDEO_DIR.value and not registry.get(vectorization).wraps_each_env:
         raise app.UsageError(
-            f"--video_dir: env {meta['env']!r} was trained through its own vector env "
-            "(vectorization=vector_entry_point), which preprocesses frames and does not render")
+            f"--video_dir: env {meta['env']!r} was trained through vectorization "
+            f"{vectorization!r}, whose envs preprocess frames and do not render")
     if _VIDEO_DIR.value and meta.get("env_wrappers"):
         # sebulba.evaluation.record_video makes the env from its id alone.
         raise app.UsageError(
@@ -45,7 +49,7 @@ def main(argv: list[str]) -> None:
     env, env_kwargs = eval_env(meta)
     result = evaluate(agent, nets, env, _EPISODES.value, greedy=greedy,
                       num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=env_kwargs,
-                      vectorization=eval_vectorization(meta))
+                      vectorization=vectorization)
     report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
               **result.as_dict()}
     if _VIDEO_DIR.value:

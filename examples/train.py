@@ -36,11 +36,11 @@ from absl import logging as absl_logging
 import sebulba
 from agents.registry import AGENTS
 from examples.config_flags import define_config_flags, define_run_flags, run_main
-from sebulba import distributed
 from sebulba.checkpoint import Checkpointer, ProcessCheckpointer, process_directory
-from sebulba.envs import check_env_id
+from sebulba.envs import registry
 from sebulba.metrics import Reporter, default_writers
-from sebulba.preemption import Preemption
+from sebulba.runtime import distributed
+from sebulba.runtime.preemption import Preemption
 
 # --checkpoint_experience=auto saves experiences up to this size per process.
 EXPERIENCE_AUTO_MIB = 256
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
         if _HEARTBEAT.value < 1:
             raise ValueError(f"--heartbeat_timeout_seconds must be >= 1, got {_HEARTBEAT.value}")
         if isinstance(run_values["env"], str):  # Config checks it too, after the cluster
-            check_env_id(run_values["env"], run_values["vectorization"])
+            registry.get(run_values["vectorization"]).check_env(run_values["env"])
         # Join the cluster before anything touches JAX devices (Config resolves them).
         if _COORDINATOR.value is not None or _DISTRIBUTED.value:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,

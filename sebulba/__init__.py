@@ -1,10 +1,10 @@
 """sebulba: the Sebulba actor-learner architecture (Podracers) for JAX and Gymnasium."""
 
-from sebulba.accounting import RunResult
 from sebulba.agent import Agent, Layout, combine_partitions, zeros_trajectory
 from sebulba.config import Config
 from sebulba.envs import env_spec
-from sebulba.loop import Sebulba
+from sebulba.runtime.accounting import RunResult
+from sebulba.runtime.loop import Sebulba
 from sebulba.types import ActorOutput, AgentState, EnvSpec, EnvStep, Trajectory
 
 __all__ = [

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from sebulba import sharding
 from sebulba.envs import example_env_step
+from sebulba.runtime import sharding
 from sebulba.types import (
     ActorOutput,
     AgentState,
@@ -171,7 +171,7 @@ class Agent(abc.ABC):
         from one update's trajectory shard (leaves [K x E / L, T(+1), ...]), e.g. running
         observation moments a normalizing torso reads. Runs before `update_experience`,
         which sees the new statistics, on each learner device: sum or average over
-        `sebulba.sharding.LEARNER_AXIS` so that every replica stays identical. The result
+        `sebulba.runtime.sharding.LEARNER_AXIS` so that every replica stays identical. The result
         is published with the networks, so every actor uses the same statistics.
         Default: unchanged (and nothing compiled)."""
         return nets
@@ -206,7 +206,7 @@ class Agent(abc.ABC):
 
         Runs on each learner device on its own experience; every device starts from the
         same experience and key, so an agent that samples folds in the device's index,
-        `jax.lax.axis_index(sebulba.sharding.LEARNER_AXIS)`, to draw its own batch.
+        `jax.lax.axis_index(sebulba.runtime.sharding.LEARNER_AXIS)`, to draw its own batch.
         """
 
     @abc.abstractmethod

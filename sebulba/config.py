@@ -8,15 +8,10 @@ from typing import Any
 
 import jax
 
-from sebulba.envs import (
-    PER_ENV_VECTORIZATIONS,
-    VECTORIZATIONS,
-    EnvFactory,
-    check_env_id,
-    env_spec,
-)
+from sebulba.envs import registry
+from sebulba.envs.gymnasium_source import EnvFactory
+from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
 from sebulba.types import EnvSpec
-from sebulba.wrappers import EnvWrapper, parse_wrappers
 
 DeviceLike = int | jax.Device
 
@@ -45,7 +40,7 @@ class Config:
         EnvPool's C++ threads; extra `envpool`), "vector_entry_point" (the env's own
         vectorized implementation, ids only) or "pettingzoo" (multi-agent: `env` is a
         PettingZoo env module such as "mpe2.simple_spread_v3", or a factory of a
-        ParallelEnv; each env's K agents are K rows, see `sebulba.multiagent`; extra
+        ParallelEnv; each env's K agents are K rows, see `sebulba.envs.pettingzoo_source`; extra
         `multiagent`).
       agent_ids: multi-agent envs: append a one-hot of the agent's index to its (flat)
         observation, so that one shared policy can act differently per agent.
@@ -127,42 +122,21 @@ class Config:
         if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
                                  or not 0 <= poll <= 1):
             raise ValueError(f"action_poll_s must be seconds in [0, 1] or None, got {poll!r}")
-        if self.vectorization not in VECTORIZATIONS:
-            raise ValueError(
-                f"vectorization must be one of {VECTORIZATIONS}, got {self.vectorization!r}"
-            )
+        kind = registry.get(self.vectorization)
         if not isinstance(self.desync_episodes, bool):
             raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
-        if self.agent_ids and self.vectorization != "pettingzoo":
-            raise ValueError("agent_ids is for multi-agent envs (vectorization 'pettingzoo'), "
-                             f"got vectorization {self.vectorization!r}")
-        if self.desync_episodes and self.vectorization in (
-                "vector_entry_point", "envpool", "pettingzoo"):
-            raise ValueError(
-                "desync_episodes wraps each env, so it needs vectorization 'sync' or 'async', "
-                f"got {self.vectorization!r}")
         if not isinstance(self.lockstep, bool):
             raise ValueError(f"lockstep must be a bool, got {self.lockstep!r}")
-        if self.lockstep and self.vectorization == "envpool":
-            raise ValueError("lockstep needs envs stepped in order; vectorization 'envpool' "
-                             "returns whichever envs are ready")
-        if not (isinstance(self.env, str) or callable(self.env)):
-            raise TypeError(f"env must be an env id or a factory, got {self.env!r}")
-        if self.vectorization in ("vector_entry_point", "envpool") and \
-                not isinstance(self.env, str):
-            raise ValueError(f"vectorization {self.vectorization!r} needs an env id, got the "
-                             f"factory {self.env!r}")
-        # The env is checked here, before devices are set up: an unknown id (or a `module:Id`
-        # whose module does not import) is an error naming it, not a registry's traceback.
-        if isinstance(self.env, str):
-            check_env_id(self.env, self.vectorization)
+        if self.lockstep and not kind.steps_in_order:
+            raise ValueError(f"lockstep needs envs stepped in order; vectorization "
+                             f"{self.vectorization!r} returns whichever envs are ready")
         # One canonical tuple, so that equal configs compare equal and a checkpoint records
         # the same text for the same wrappers.
         object.__setattr__(self, "env_wrappers", parse_wrappers(self.env_wrappers))
-        if self.env_wrappers and self.vectorization not in PER_ENV_VECTORIZATIONS:
-            raise ValueError(
-                f"env_wrappers wrap each env, so they need vectorization 'sync' or 'async', got "
-                f"{self.vectorization!r}")
+        # Checks the env too, before devices are set up: an unknown id (or a `module:Id`
+        # whose module does not import) is an error naming it, not a registry's traceback.
+        registry.check_request(kind, self.env, self.env_wrappers, self.desync_episodes,
+                               self.agent_ids)
         num_learners = len(self.resolved_local_learner_devices())
         if self.envs_per_group % num_learners:
             raise ValueError(
@@ -179,8 +153,17 @@ class Config:
 
     def env_spec(self) -> EnvSpec:
         """The spec of this run's env, as the loop checks the agent's against."""
-        return env_spec(self.env, self.env_kwargs, self.vectorization, self.agent_ids,
-                        self.env_wrappers)
+        return registry.env_spec(self.env, self.env_kwargs, self.vectorization,
+                                 self.agent_ids, self.env_wrappers)
+
+    def source_request(self, num_groups: int, seed: int) -> registry.SourceRequest:
+        """What the loop asks this run's env source kind for: `num_groups` groups from
+        `seed` on (see `registry.SourceRequest`)."""
+        return registry.SourceRequest(
+            env=self.env, env_kwargs=self.env_kwargs, group_size=self.envs_per_group,
+            num_groups=num_groups, seed=seed, env_wrappers=self.env_wrappers,
+            async_context=self.async_context, desync_episodes=self.desync_episodes,
+            agent_ids=self.agent_ids)
 
     def resolved_inference_devices(self) -> list[jax.Device]:
         """This process's inference devices."""
@@ -219,7 +202,8 @@ class Config:
         (benchmarks/RESULTS.md, 2026-11-25)."""
         if self.action_poll_s is not None:
             return self.action_poll_s
-        return 0.0 if self.vectorization == "async" else DEFAULT_ACTION_POLL_S
+        env_processes = registry.get(self.vectorization).env_processes
+        return 0.0 if env_processes else DEFAULT_ACTION_POLL_S
 
 
 def _positive(name: str, value: Any) -> None:

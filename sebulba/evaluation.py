@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sebulba.agent import Agent
-from sebulba.envs import EnvFactory, VectorEnvSource, close_vector_env, make_vector_env
+from sebulba.envs import registry
+from sebulba.envs.gymnasium_source import EnvFactory
 from sebulba.types import Nets
 
 
@@ -50,12 +51,15 @@ def evaluate(
     episodes (the counts differ by at most one), decided before any episode ends, and
     the results are listed env by env. Taking the first `num_episodes` episodes to end,
     whichever env they ran in, would favour short episodes (in a cart-pole, the failures).
-    `vectorization` is "sync" or, for ids whose own vector env preprocesses (Atari),
-    "vector_entry_point".
+    `vectorization` is a kind whose envs step in order: "sync" or, for ids whose own
+    vector env preprocesses (Atari), "vector_entry_point" (`evaluation_vectorization`
+    names the one for a run's).
     """
-    if vectorization == "pettingzoo":
-        raise ValueError("evaluate runs single-agent envs; evaluating multi-agent policies "
-                         "(vectorization 'pettingzoo') is not supported yet")
+    kind = registry.get(vectorization)
+    if kind.multi_agent or not kind.steps_in_order:
+        raise ValueError(
+            f"evaluate runs single-agent envs that step in order, so not vectorization "
+            f"{vectorization!r}: evaluating its policies is not supported yet")
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     num_envs = min(num_envs, num_episodes)
@@ -64,9 +68,9 @@ def evaluate(
     per_env: list[list[tuple[float, int]]] = [[] for _ in range(num_envs)]
     act = jax.jit(agent.greedy_step if greedy else agent.step)
     nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
-    vec = make_vector_env(env, num_envs, vectorization, env_kwargs)
+    sources = kind.make_sources(registry.SourceRequest(env, dict(env_kwargs or {}), num_envs))
     try:
-        source = VectorEnvSource(vec)
+        (source,) = sources
         source.reset(seed=seed)
         ids, env_step, _ = source.recv()
         step_state = agent.new_step_state(nets, jax.random.key(seed), num_envs)
@@ -87,9 +91,19 @@ def evaluate(
             raise RuntimeError(f"only {done} of {num_episodes} episodes ended within "
                                f"{max_env_steps} steps")
     finally:
-        close_vector_env(vec)
+        registry.close_all(sources)
     ended = [episode for eps in per_env for episode in eps]
     return EvaluationResult([r for r, _ in ended], [n for _, n in ended])
+
+
+def evaluation_vectorization(vectorization: str) -> str:
+    """The vectorization that evaluates a policy trained with `vectorization`, in process
+    and with the same spaces; ValueError where evaluation does not support it."""
+    kind = registry.get(vectorization)
+    if kind.evaluate_as is None:
+        raise ValueError(f"evaluating policies of vectorization {vectorization!r} is not "
+                         "supported yet")
+    return kind.evaluate_as
 
 
 def record_video(

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sebulba.loop import UpdateInfo
+from sebulba.runtime.loop import UpdateInfo
 
 
 class MetricWriter(Protocol):

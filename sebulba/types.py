@@ -23,9 +23,9 @@ Metrics = dict[str, jax.Array]
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
     """The spaces of one (unbatched) env; agents build their networks from it
-    (`sebulba.observations` says what kind of observation the space holds).
+    (`sebulba.envs.observations` says what kind of observation the space holds).
 
-    With `agents_per_env` K > 1 (a multi-agent env, `sebulba.multiagent`) the spaces are
+    With `agents_per_env` K > 1 (a multi-agent env, `sebulba.envs.pettingzoo_source`) the spaces are
     one agent's, shared by all K, and each env gives K rows, env-major, to every batch.
     """
 

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import sebulba  # noqa: E402
 from agents.ppo import PPO, PPOConfig  # noqa: E402
-from sebulba import distributed  # noqa: E402
+from sebulba.runtime import distributed  # noqa: E402
 from tests.counting_agent import CountingAgent  # noqa: E402
 from tests.envs import CountingEnv, PidRecordingEnv  # noqa: E402
 

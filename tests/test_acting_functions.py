@@ -10,7 +10,7 @@ import pytest
 import sebulba
 from agents.spg import SPG, SPGConfig
 from sebulba.envs import example_env_step
-from sebulba.inferencer import ActingFunctions
+from sebulba.runtime.inferencer import ActingFunctions
 
 N = 6
 

@@ -14,9 +14,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from sebulba import async_workers
-from sebulba.async_workers import AsyncVectorEnv, RemoteTraceback, env_worker
-from sebulba.envs import VectorEnvSource, close_vector_env, make_vector_env
+from sebulba.envs import async_workers
+from sebulba.envs.async_workers import AsyncVectorEnv, RemoteTraceback, env_worker
+from sebulba.envs.gymnasium_source import VectorEnvSource, close_vector_env, make_vector_env
 from tests.envs import (
     CountingEnv,
     EnvStepError,

@@ -15,9 +15,10 @@ import sebulba
 from agents.impala import IMPALA, IMPALAConfig
 from agents.ppo import PPO, PPOConfig
 from agents.r2d2 import R2D2, R2D2Config
-from sebulba import memory_envs, sharding
-from sebulba.channels import QueueItem
-from sebulba.learner import Learner, env_axis_joiner
+from sebulba.envs import suite
+from sebulba.runtime import sharding
+from sebulba.runtime.channels import QueueItem
+from sebulba.runtime.learner import Learner, env_axis_joiner
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 from tests.test_pipeline import EPISODE_LENGTH, expected_next
@@ -189,7 +190,7 @@ def test_nothing_recompiles_after_the_first_joined_updates(no_leftovers):
 
 @pytest.mark.timeout(180)
 def test_ppo_learns_from_two_trajectories_per_update(no_leftovers):
-    env, kwargs = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 3}
+    env, kwargs = suite.CUE_RECALL, {"num_cues": 2, "delay": 3}
     config = sebulba.Config(env=env, env_kwargs=kwargs, envs_per_group=4, steps_per_cycle=16,
                             async_factor=2, inference_devices=[0], learner_devices=[1, 2],
                             trajectories_per_update=2)
@@ -284,7 +285,7 @@ def test_r2d2_real_run_with_two_trajectories_per_update(no_leftovers):
     # As test_r2d2's real run: learning never starts, so the learner can recompute what
     # the actors did; a sequence's stored state unrolled over its first T steps is the
     # env's next sequence's stored state, whichever update each came in.
-    env, kwargs, T, E = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 3}, 4, 4
+    env, kwargs, T, E = suite.CUE_RECALL, {"num_cues": 2, "delay": 3}, 4, 4
     cfg = R2D2Config(torso_sizes=(8,), lstm_size=8, head_sizes=(8,), sequence_length=2 * T,
                      sequence_overlap=T, burn_in=2, batch_size=4, replay_capacity=200,
                      min_replay_size=200)

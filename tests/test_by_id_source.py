@@ -17,11 +17,16 @@ import numpy as np
 import pytest
 
 import sebulba
-from sebulba import inferencer
-from sebulba.accounting import Accounting
-from sebulba.channels import ErrorBox, Staging
 from sebulba.envs import EpisodeTracker
-from sebulba.inferencer import MAX_PENDING_CYCLES, ActingFunctions, EnvGroupRunner, _HoldBack
+from sebulba.runtime import inferencer
+from sebulba.runtime.accounting import Accounting
+from sebulba.runtime.channels import ErrorBox, Staging
+from sebulba.runtime.inferencer import (
+    MAX_PENDING_CYCLES,
+    ActingFunctions,
+    EnvGroupRunner,
+    _HoldBack,
+)
 from tests.counting_agent import CountingAgent
 
 E, T, GROUPS = 4, 5, 3

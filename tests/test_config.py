@@ -101,7 +101,7 @@ def test_bad_total_env_steps_is_rejected():
     ("no_such_module:Foo-v0", r"env 'no_such_module:Foo-v0': importing 'no_such_module', "
                               r"which the `module:Id` form imports to register 'Foo-v0', "
                               r"failed: No module named 'no_such_module'"),
-    ("sebulba.memory_envs:sebulba/Nope-v0", r"env 'sebulba.memory_envs:sebulba/Nope-v0' is not "
+    ("sebulba.envs.suite:sebulba/Nope-v0", r"env 'sebulba.envs.suite:sebulba/Nope-v0' is not "
                                             r"a registered gymnasium id"),
 ])
 def test_unknown_env_id_is_a_value_error_naming_it_at_construction(env, message):

@@ -23,7 +23,7 @@ from examples.config_flags import (
     define_run_flags,
     field_default,
 )
-from sebulba.envs import VECTORIZATIONS
+from sebulba.envs import registry
 
 
 def test_every_config_field_is_a_launcher_flag_with_configs_default_and_doc():
@@ -117,7 +117,7 @@ def test_bad_enum_and_typed_values_fail_when_flags_are_parsed(argv):
 def test_enums_offer_the_configs_choices():
     flag_values = flags.FlagValues()
     define_run_flags(flag_values)
-    assert tuple(flag_values["vectorization"].parser.enum_values) == VECTORIZATIONS
+    assert tuple(flag_values["vectorization"].parser.enum_values) == registry.names()
     assert set(flag_values["async_context"].parser.enum_values) == set(
         multiprocessing.get_all_start_methods())
 

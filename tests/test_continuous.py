@@ -333,9 +333,9 @@ def test_lstm_ppo_swings_up_a_pendulum_it_sees_only_the_angle_of(no_leftovers):
     # defaults: feed-forward -1069, -1111, -1081; LSTM -319, -414, -286; with the velocity,
     # feed-forward -174 (seed 0). With the 10 x 8 Box defaults (seeds 0, 1): feed-forward
     # -1086, -1073; LSTM -413, -277.
-    from sebulba import memory_envs
+    from sebulba.envs import suite
 
-    env = memory_envs.PENDULUM_NO_VELOCITY
+    env = suite.PENDULUM_NO_VELOCITY
     returns = {}
     for use_lstm in (False, True):
         agent = PPO(sebulba.env_spec(env), PPOConfig(use_lstm=use_lstm))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sebulba
-from sebulba.envs import DesyncFirstEpisode, VectorEnvSource, make_vector_env
+from sebulba.envs.gymnasium_source import DesyncFirstEpisode, VectorEnvSource, make_vector_env
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 

@@ -16,7 +16,7 @@ from agents.ppo import PPO
 from agents.spg import SPG, SPGConfig
 
 # Found, not imported: importing envpool changes process-wide environment variables
-# (sebulba.envpool_source puts them back when it imports it).
+# (sebulba.envs.envpool_source puts them back when it imports it).
 if importlib.util.find_spec("envpool") is None:
     pytest.skip("vectorization 'envpool' needs the envpool extra", allow_module_level=True)
 
@@ -168,7 +168,7 @@ def test_ppo_learns_cartpole_on_envpool(no_leftovers):
 def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
     """The source calls EnvPool's C++ recv/send below its Python wrapper where the layout
     is simple; both paths must give the same steps for the same seeds and actions."""
-    from sebulba.envpool_source import EnvPoolSource
+    from sebulba.envs.envpool_source import EnvPoolSource
 
     # One group: recv returns every env, so the order of batches cannot depend on
     # thread timing and both runs see the same steps.

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 import sebulba
-import sebulba.watchdog
-from sebulba.watchdog import EnvStall
+import sebulba.runtime.watchdog
+from sebulba.runtime.watchdog import EnvStall
 from tests.conftest import sebulba_threads
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv, FaultyEnv, HangingEnv, RaisingEnv
@@ -87,7 +87,7 @@ def test_an_env_step_that_never_returns_ends_the_run(vectorization, close_hangs,
 @pytest.mark.timeout(60)
 def test_env_stall_counts_only_waiting_without_env_steps(monkeypatch):
     now = [100.0]  # a fake clock: seconds advance only when the test says so
-    monkeypatch.setattr(sebulba.watchdog.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(sebulba.runtime.watchdog.time, "monotonic", lambda: now[0])
     stall = EnvStall(2.0, threads=[], first_step_s=4.0)
     stall.waiting(0)
     now[0] += 3.0

@@ -11,7 +11,7 @@ import pytest
 
 import sebulba
 from agents.impala import IMPALA, IMPALAConfig
-from sebulba import memory_envs
+from sebulba.envs import suite
 
 
 def train(env: str, total_env_steps: int, seed: int, agent_config: IMPALAConfig,
@@ -50,7 +50,7 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     # Measured last-10% means at 120k, LSTM (2026-11-25's defaults, 4 x 4 steps per
     # shard): 0.999, 1.0, 0.999; feed-forward: 0.492, 0.484, 0.504 (seeds 0, 1, 2);
     # ~20-80 s per run on 2 shared cores.
-    env, kwargs = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 5}
+    env, kwargs = suite.CUE_RECALL, {"num_cues": 2, "delay": 5}
     lstm = train(env, 120_000, seed=0, env_kwargs=kwargs,
                  agent_config=IMPALAConfig(use_lstm=True, hidden_sizes=(64,)))
     feed_forward = train(env, 120_000, seed=0, env_kwargs=kwargs, agent_config=IMPALAConfig())
@@ -66,7 +66,7 @@ def test_the_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     # schedule), measured 2026-11-25 at 1M steps: 0.999, 1.0 (seeds 0, 1), 0.98-0.99 of
     # the optimum from 100k on. With the old shared core and raw rewards it stayed at
     # chance, its entropy at the maximum. 150k steps: ~1 min on 2 cores.
-    result = train(memory_envs.REPEAT_FIRST, 150_000, seed=0,
+    result = train(suite.REPEAT_FIRST, 150_000, seed=0,
                    agent_config=IMPALAConfig(use_lstm=True))
     assert result.mean_return(0.9, 1.0) >= 0.8, result.summary()
 
@@ -78,6 +78,6 @@ def test_the_lstm_defaults_recall_the_symbol_shown_four_steps_back(no_leftovers)
     # step; chance 0.25. The paper's single step per trajectory stayed at 0.45-0.49
     # (seeds 0-2, recalling one bit of two); the LSTM defaults' 4 x 4 steps with PPO's
     # clipped pi / mu scored 0.99, 0.988 (seeds 0, 1) at 1M, at 0.8 from ~600k.
-    result = train(memory_envs.REPEAT_PREVIOUS, 1_000_000, seed=0,
+    result = train(suite.REPEAT_PREVIOUS, 1_000_000, seed=0,
                    agent_config=IMPALAConfig(use_lstm=True))
     assert result.mean_return(0.9, 1.0) >= 0.8, result.summary()

@@ -16,7 +16,7 @@ import pytest
 from jax._src import dispatch
 
 import sebulba
-from sebulba import sharding
+from sebulba.runtime import sharding
 from tests.counting_agent import CountingAgent, CountingStepState
 from tests.envs import CountingEnv
 

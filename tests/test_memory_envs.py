@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import sebulba  # noqa: F401  (registers the ids)
-from sebulba import memory_envs
-from sebulba.envs import close_vector_env, make_vector_env
-from sebulba.memory_envs import CueRecall
+from sebulba.envs import suite
+from sebulba.envs.gymnasium_source import close_vector_env, make_vector_env
+from sebulba.envs.suite import CueRecall
 
 
 @pytest.mark.timeout(60)
@@ -41,8 +41,8 @@ def test_cue_recall_rejects_bad_arguments():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("vectorization", ["sync", "async"])
 def test_ids_work_in_vector_envs(vectorization, no_leftovers):
-    cartpole = make_vector_env(memory_envs.CARTPOLE_NO_VELOCITY, 2, vectorization)
-    cue = make_vector_env(memory_envs.CUE_RECALL, 2, vectorization, env_kwargs={"delay": 1})
+    cartpole = make_vector_env(suite.CARTPOLE_NO_VELOCITY, 2, vectorization)
+    cue = make_vector_env(suite.CUE_RECALL, 2, vectorization, env_kwargs={"delay": 1})
     try:
         obs, _ = cartpole.reset(seed=0)
         assert obs.shape == (2, 2)
@@ -106,19 +106,19 @@ def run_episode(env, policy, seed):
 
 
 OPTIMAL_CASES = [  # (env, its optimal policy, episode length, unrewarded first steps)
-    (memory_envs.RepeatFirst(), repeat_first_optimal, 50, 0),
-    (memory_envs.RepeatFirst(num_symbols=7, episode_length=3), repeat_first_optimal, 3, 0),
-    (memory_envs.RepeatFirst(episode_length=1), repeat_first_optimal, 1, 0),
-    (memory_envs.RepeatPrevious(), repeat_previous_optimal(4), 50, 4),
-    (memory_envs.RepeatPrevious(num_symbols=3, k=1, episode_length=2),
+    (suite.RepeatFirst(), repeat_first_optimal, 50, 0),
+    (suite.RepeatFirst(num_symbols=7, episode_length=3), repeat_first_optimal, 3, 0),
+    (suite.RepeatFirst(episode_length=1), repeat_first_optimal, 1, 0),
+    (suite.RepeatPrevious(), repeat_previous_optimal(4), 50, 4),
+    (suite.RepeatPrevious(num_symbols=3, k=1, episode_length=2),
      repeat_previous_optimal(1), 2, 1),
-    (memory_envs.RepeatPrevious(num_symbols=5, k=9, episode_length=30),
+    (suite.RepeatPrevious(num_symbols=5, k=9, episode_length=30),
      repeat_previous_optimal(9), 30, 9),
-    (memory_envs.CountRecall(), count_recall_optimal(20), 20, 0),
-    (memory_envs.CountRecall(num_symbols=3, episode_length=40), count_recall_optimal(40), 40, 0),
-    (memory_envs.CountRecall(max_count=3), count_recall_optimal(3), 20, 0),  # the cap binds
-    (memory_envs.RepeatFirstContinuous(), repeat_first_continuous_optimal, 50, 0),
-    (memory_envs.RepeatFirstContinuous(dim=5, episode_length=9),
+    (suite.CountRecall(), count_recall_optimal(20), 20, 0),
+    (suite.CountRecall(num_symbols=3, episode_length=40), count_recall_optimal(40), 40, 0),
+    (suite.CountRecall(max_count=3), count_recall_optimal(3), 20, 0),  # the cap binds
+    (suite.RepeatFirstContinuous(), repeat_first_continuous_optimal, 50, 0),
+    (suite.RepeatFirstContinuous(dim=5, episode_length=9),
      repeat_first_continuous_optimal, 9, 0),
 ]
 
@@ -147,7 +147,7 @@ def test_optimal_policies_reach_return_one_in_episodes_of_the_documented_length(
 @pytest.mark.timeout(60)
 def test_optimal_counting_needs_the_cap():
     """An uncapped count is wrong once it passes max_count: the cap is part of the task."""
-    env = memory_envs.CountRecall(max_count=2)
+    env = suite.CountRecall(max_count=2)
     assert env.action_space.n == 3
     returns = [run_episode(env, count_recall_optimal(2), seed)[0].sum() for seed in range(50)]
     assert returns == pytest.approx([1.0] * 50, abs=1e-9)
@@ -192,19 +192,19 @@ def uniformly_random(num_actions):
 
 
 CHANCE_CASES = [  # (env, a memoryless policy, the chance return the env documents)
-    (memory_envs.RepeatFirst(), random_when_blank, 0.265),
-    (memory_envs.RepeatFirst(episode_length=10), shown_else(2), 0.325),
-    (memory_envs.RepeatFirst(num_symbols=2, episode_length=10), random_when_blank, 0.55),
-    (memory_envs.RepeatPrevious(), current_symbol, 0.25),
-    (memory_envs.RepeatPrevious(), always(1), 0.25),
-    (memory_envs.RepeatPrevious(num_symbols=3, k=1, episode_length=5), current_symbol, 1 / 3),
-    (memory_envs.CountRecall(), count_as_if_first, (1 - 2.0 ** -20) / 10),
-    (memory_envs.CountRecall(), uniformly_random(21), 1 / 21),
-    (memory_envs.CountRecall(num_symbols=3, episode_length=10), count_as_if_first,
+    (suite.RepeatFirst(), random_when_blank, 0.265),
+    (suite.RepeatFirst(episode_length=10), shown_else(2), 0.325),
+    (suite.RepeatFirst(num_symbols=2, episode_length=10), random_when_blank, 0.55),
+    (suite.RepeatPrevious(), current_symbol, 0.25),
+    (suite.RepeatPrevious(), always(1), 0.25),
+    (suite.RepeatPrevious(num_symbols=3, k=1, episode_length=5), current_symbol, 1 / 3),
+    (suite.CountRecall(), count_as_if_first, (1 - 2.0 ** -20) / 10),
+    (suite.CountRecall(), uniformly_random(21), 1 / 21),
+    (suite.CountRecall(num_symbols=3, episode_length=10), count_as_if_first,
      (1 - (2 / 3) ** 10) * 3 / 10),
-    (memory_envs.CountRecall(max_count=5), always(5), 0.550),
-    (memory_envs.RepeatFirstContinuous(), random_sign_pattern_when_blank, 0.265),
-    (memory_envs.RepeatFirstContinuous(dim=1, episode_length=10),
+    (suite.CountRecall(max_count=5), always(5), 0.550),
+    (suite.RepeatFirstContinuous(), random_sign_pattern_when_blank, 0.265),
+    (suite.RepeatFirstContinuous(dim=1, episode_length=10),
      random_sign_pattern_when_blank, 0.55),
 ]
 
@@ -257,7 +257,7 @@ def test_count_recall_documented_chance_is_the_best_memoryless_score():
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_repeat_previous_rewards_nothing_before_step_k(k):
     num_symbols, length = 4, k + 3
-    env = memory_envs.RepeatPrevious(num_symbols=num_symbols, k=k, episode_length=length)
+    env = suite.RepeatPrevious(num_symbols=num_symbols, k=k, episode_length=length)
     for seed in range(25):
         for action in range(num_symbols):  # no action is rewarded before step k
             env.reset(seed=seed)
@@ -276,10 +276,10 @@ def test_repeat_previous_rewards_nothing_before_step_k(k):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("env", [memory_envs.RepeatFirst(episode_length=3),
-                                 memory_envs.RepeatPrevious(k=1, episode_length=3),
-                                 memory_envs.CountRecall(episode_length=3),
-                                 memory_envs.RepeatFirstContinuous(episode_length=3)],
+@pytest.mark.parametrize("env", [suite.RepeatFirst(episode_length=3),
+                                 suite.RepeatPrevious(k=1, episode_length=3),
+                                 suite.CountRecall(episode_length=3),
+                                 suite.RepeatFirstContinuous(episode_length=3)],
                          ids=lambda env: type(env).__name__)
 def test_stepping_outside_an_episode_is_an_error(env):
     with pytest.raises(RuntimeError, match="call reset"):
@@ -294,9 +294,9 @@ def test_stepping_outside_an_episode_is_an_error(env):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("env_class", [memory_envs.RepeatFirst, memory_envs.RepeatPrevious,
-                                       memory_envs.CountRecall,
-                                       memory_envs.RepeatFirstContinuous],
+@pytest.mark.parametrize("env_class", [suite.RepeatFirst, suite.RepeatPrevious,
+                                       suite.CountRecall,
+                                       suite.RepeatFirstContinuous],
                          ids=lambda cls: cls.__name__)
 def test_new_envs_pass_the_gymnasium_env_checker(env_class):
     from gymnasium.utils.env_checker import check_env
@@ -314,26 +314,26 @@ def test_new_envs_pass_the_gymnasium_env_checker(env_class):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("env_class, kwargs, message", [
-    (memory_envs.RepeatFirst, {"num_symbols": 1}, r"num_symbols=1 must be an int >= 2"),
-    (memory_envs.RepeatFirst, {"episode_length": 0}, r"episode_length=0 must be an int >= 1"),
-    (memory_envs.RepeatFirst, {"num_symbols": 2.5}, r"num_symbols=2.5 must be an int >= 2"),
-    (memory_envs.RepeatFirst, {"episode_length": True},
+    (suite.RepeatFirst, {"num_symbols": 1}, r"num_symbols=1 must be an int >= 2"),
+    (suite.RepeatFirst, {"episode_length": 0}, r"episode_length=0 must be an int >= 1"),
+    (suite.RepeatFirst, {"num_symbols": 2.5}, r"num_symbols=2.5 must be an int >= 2"),
+    (suite.RepeatFirst, {"episode_length": True},
      r"episode_length=True must be an int >= 1"),
-    (memory_envs.RepeatPrevious, {"k": 60},
+    (suite.RepeatPrevious, {"k": 60},
      r"k=60 must be less than episode_length=50: no step would be rewarded"),
-    (memory_envs.RepeatPrevious, {"k": 5, "episode_length": 5},
+    (suite.RepeatPrevious, {"k": 5, "episode_length": 5},
      r"k=5 must be less than episode_length=5: no step would be rewarded"),
-    (memory_envs.RepeatPrevious, {"k": 0}, r"k=0 must be an int >= 1 \(with k=0 the task"),
-    (memory_envs.RepeatPrevious, {"episode_length": -3},
+    (suite.RepeatPrevious, {"k": 0}, r"k=0 must be an int >= 1 \(with k=0 the task"),
+    (suite.RepeatPrevious, {"episode_length": -3},
      r"episode_length=-3 must be an int >= 1"),
-    (memory_envs.RepeatPrevious, {"num_symbols": 0}, r"num_symbols=0 must be an int >= 2"),
-    (memory_envs.CountRecall, {"max_count": 0}, r"max_count=0 must be an int >= 1"),
-    (memory_envs.CountRecall, {"episode_length": 0}, r"episode_length=0 must be an int >= 1"),
-    (memory_envs.CountRecall, {"num_symbols": 1}, r"num_symbols=1 must be an int >= 2"),
-    (memory_envs.RepeatFirstContinuous, {"dim": 0}, r"dim=0 must be an int >= 1"),
-    (memory_envs.RepeatFirstContinuous, {"dim": 31},
+    (suite.RepeatPrevious, {"num_symbols": 0}, r"num_symbols=0 must be an int >= 2"),
+    (suite.CountRecall, {"max_count": 0}, r"max_count=0 must be an int >= 1"),
+    (suite.CountRecall, {"episode_length": 0}, r"episode_length=0 must be an int >= 1"),
+    (suite.CountRecall, {"num_symbols": 1}, r"num_symbols=1 must be an int >= 2"),
+    (suite.RepeatFirstContinuous, {"dim": 0}, r"dim=0 must be an int >= 1"),
+    (suite.RepeatFirstContinuous, {"dim": 31},
      r"dim=31 must be <= 30: the actions are the 2\^dim sign patterns"),
-    (memory_envs.RepeatFirstContinuous, {"episode_length": 0},
+    (suite.RepeatFirstContinuous, {"episode_length": 0},
      r"episode_length=0 must be an int >= 1"),
 ])
 def test_new_envs_reject_bad_arguments_by_name_and_value(env_class, kwargs, message):
@@ -343,18 +343,18 @@ def test_new_envs_reject_bad_arguments_by_name_and_value(env_class, kwargs, mess
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env_id, kwargs, policy, obs_size, length", [
-    (memory_envs.REPEAT_FIRST, {}, repeat_first_optimal, 4, 50),
-    (memory_envs.REPEAT_PREVIOUS, {}, repeat_previous_optimal(4), 4, 50),
-    (memory_envs.REPEAT_PREVIOUS, {"k": 2, "episode_length": 7}, repeat_previous_optimal(2),
+    (suite.REPEAT_FIRST, {}, repeat_first_optimal, 4, 50),
+    (suite.REPEAT_PREVIOUS, {}, repeat_previous_optimal(4), 4, 50),
+    (suite.REPEAT_PREVIOUS, {"k": 2, "episode_length": 7}, repeat_previous_optimal(2),
      4, 7),
-    (memory_envs.COUNT_RECALL, {}, count_recall_optimal(20), 2, 20),
-    (memory_envs.REPEAT_FIRST_CONTINUOUS, {}, repeat_first_continuous_optimal, 3, 50),
-    (memory_envs.REPEAT_FIRST_CONTINUOUS, {"dim": 3}, repeat_first_continuous_optimal, 4, 50),
+    (suite.COUNT_RECALL, {}, count_recall_optimal(20), 2, 20),
+    (suite.REPEAT_FIRST_CONTINUOUS, {}, repeat_first_continuous_optimal, 3, 50),
+    (suite.REPEAT_FIRST_CONTINUOUS, {"dim": 3}, repeat_first_continuous_optimal, 4, 50),
 ], ids=["RepeatFirst", "RepeatPrevious", "RepeatPrevious-k2-L7", "CountRecall",
         "RepeatFirstContinuous", "RepeatFirstContinuous-dim3"])
 def test_new_ids_work_in_sync_vector_envs(env_id, kwargs, policy, obs_size, length,
                                           no_leftovers):
-    assert env_id.startswith("sebulba.memory_envs:sebulba/")
+    assert env_id.startswith("sebulba.envs.suite:sebulba/")
     assert gym.spec(env_id.split(":")[1]).max_episode_steps is None  # they end themselves
     vec = make_vector_env(env_id, 4, "sync", env_kwargs=kwargs)
     try:
@@ -378,7 +378,7 @@ def test_new_ids_work_in_sync_vector_envs(env_id, kwargs, policy, obs_size, leng
 
 @pytest.mark.timeout(60)
 def test_pendulum_without_velocity_is_pendulum_observing_the_angle(no_leftovers):
-    pendulum = make_vector_env(memory_envs.PENDULUM_NO_VELOCITY, 2, "sync")
+    pendulum = make_vector_env(suite.PENDULUM_NO_VELOCITY, 2, "sync")
     full = gym.make("Pendulum-v1")
     try:
         obs, _ = pendulum.reset(seed=3)

@@ -62,7 +62,7 @@ def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
 
 @pytest.mark.timeout(60)
 def test_accounting_keeps_bounded_records_and_whole_run_totals():
-    from sebulba.accounting import EPISODE_WINDOW, LAG_WINDOW, Accounting
+    from sebulba.runtime.accounting import EPISODE_WINDOW, LAG_WINDOW, Accounting
 
     acc = Accounting()
     n = 250_000  # a long run: more episodes and trajectories than the windows hold

@@ -1,4 +1,4 @@
-"""Multi-agent envs: PettingZoo Parallel envs as rows of agents (`sebulba.multiagent`)."""
+"""Multi-agent envs: PettingZoo Parallel envs as rows of agents (`envs.pettingzoo_source`)."""
 
 import dataclasses
 
@@ -15,10 +15,10 @@ import sebulba  # noqa: E402
 from agents.common.returns import action_mask  # noqa: E402
 from agents.impala import IMPALA, IMPALAConfig  # noqa: E402
 from agents.ppo import PPO, PPOConfig  # noqa: E402
-from sebulba.multiagent import ParallelEnvSource, make_parallel_env  # noqa: E402
-from sebulba.role_call import RoleCall  # noqa: E402
+from sebulba.envs.pettingzoo_source import ParallelEnvSource, make_parallel_env  # noqa: E402
+from sebulba.envs.suite.role_call import RoleCall  # noqa: E402
 
-ROLE_CALL = "sebulba.role_call"
+ROLE_CALL = "sebulba.envs.suite.role_call"
 
 
 def role_call_source(num_envs=2, agent_ids=False, **kwargs) -> ParallelEnvSource:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from sebulba.watchdog import EXIT_CODE, describe_progress
+from sebulba.runtime.watchdog import EXIT_CODE, describe_progress
 from tests.test_failures import _alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,8 +17,7 @@ import sebulba
 import sebulba.envs
 from agents.common import networks
 from agents.registry import AGENTS
-from sebulba import observations
-from sebulba.envs import example_env_step
+from sebulba.envs import example_env_step, observations
 
 VECTOR = sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (6,), np.float32), gym.spaces.Discrete(3))
 SPECS = {  # the observation kinds an agent must act and train on

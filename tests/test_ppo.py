@@ -10,8 +10,7 @@ import pytest
 
 import sebulba
 from agents.ppo import PPO, PPOConfig
-from sebulba import memory_envs
-from sebulba.envs import example_env_step
+from sebulba.envs import example_env_step, suite
 from sebulba.types import EnvStep, Trajectory
 
 SPEC = sebulba.env_spec("CartPole-v1")
@@ -181,7 +180,7 @@ def test_importance_weights_multiply_the_policy_loss():
 
 @pytest.mark.timeout(180)
 def test_lstm_ppo_runs_on_segments_across_two_learner_devices(no_leftovers):
-    env, kwargs = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 3}
+    env, kwargs = suite.CUE_RECALL, {"num_cues": 2, "delay": 3}
     agent = PPO(sebulba.env_spec(env, kwargs),
                 PPOConfig(use_lstm=True, hidden_sizes=(16,), lstm_size=16, bptt_horizon=4,
                           num_minibatches=2, num_epochs=1, prio_alpha=0.5, num_segments=16))

@@ -7,12 +7,12 @@ import pytest
 
 import sebulba
 from agents.ppo import PPO, PPOConfig
-from sebulba import memory_envs
+from sebulba.envs import suite
 
 CARTPOLE = "CartPole-v1"  # a uniformly random policy scores ~22
-CUE_RECALL = memory_envs.CUE_RECALL
+CUE_RECALL = suite.CUE_RECALL
 CUES = {"num_cues": 4, "delay": 5}  # episodes of 7 steps: cue, 5 blanks, query
-NO_VELOCITY = memory_envs.CARTPOLE_NO_VELOCITY
+NO_VELOCITY = suite.CARTPOLE_NO_VELOCITY
 
 
 def train(env: str, total_env_steps: int, seed: int, env_kwargs=None,
@@ -98,7 +98,7 @@ def test_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     # Measured 2026-11-24 with the defaults (a value torso and LSTM of their own, rewards
     # scaled), last-10% means at 1M: 1.00, 1.00, 1.00 (seeds 0, 1, 2), each >= 0.99 from
     # 100k-150k on (benchmarks/RESULTS.md, "The memory suite"); ~60 s on 2 cores.
-    lstm = train(memory_envs.REPEAT_FIRST, 150_000, seed=0, use_lstm=True)
-    feed_forward = train(memory_envs.REPEAT_FIRST, 50_000, seed=0)
+    lstm = train(suite.REPEAT_FIRST, 150_000, seed=0, use_lstm=True)
+    feed_forward = train(suite.REPEAT_FIRST, 50_000, seed=0)
     assert lstm.mean_return(0.9, 1.0) >= 0.8, lstm.summary()
     assert feed_forward.mean_return(0.9, 1.0) <= 0.3, feed_forward.summary()

@@ -149,7 +149,7 @@ def test_a_signal_to_one_process_of_two_ends_both_with_a_checkpoint(signum, tmp_
 
 STUCK_SCRIPT = textwrap.dedent("""
     import multiprocessing, os, signal, sys, time
-    from sebulba.preemption import Preemption
+    from sebulba.runtime.preemption import Preemption
     if __name__ == "__main__":
         child = multiprocessing.Process(target=time.sleep, args=(600,))
         child.start()
@@ -179,7 +179,7 @@ def test_a_run_that_does_not_stop_in_time_is_ended_with_its_children():
 
 
 def test_the_grace_period_must_be_positive():
-    from sebulba.preemption import Preemption
+    from sebulba.runtime.preemption import Preemption
 
     with pytest.raises(ValueError, match="grace_seconds must be > 0, got 0"):
         Preemption(0)

@@ -12,9 +12,9 @@ import pytest
 import sebulba
 from agents.common.value_rescaling import rescale
 from agents.r2d2 import R2D2, R2D2Config, Sequence, n_step_returns, q_network
-from sebulba import memory_envs
+from sebulba.envs import suite
 from sebulba.experience import replay as rp
-from sebulba.learner import optimizer_step, per_learner_device
+from sebulba.runtime.learner import optimizer_step, per_learner_device
 from sebulba.types import EnvStep, Trajectory
 
 OBS_DIM, NUM_ACTIONS, H = 3, 2, 8
@@ -351,7 +351,7 @@ def test_a_real_run_stores_the_actors_states_on_each_learner_device(no_leftovers
     # Learning never starts (min_replay_size = capacity), so the networks stay the
     # initial ones and the learner can recompute what the actors did: a sequence's
     # stored state, unrolled over its first T steps, is the next sequence's stored state.
-    env, kwargs, T, E = memory_envs.CUE_RECALL, {"num_cues": 2, "delay": 3}, 4, 4
+    env, kwargs, T, E = suite.CUE_RECALL, {"num_cues": 2, "delay": 3}, 4, 4
     cfg = R2D2Config(torso_sizes=(8,), lstm_size=H, head_sizes=(8,), sequence_length=2 * T,
                      sequence_overlap=T, burn_in=2, batch_size=4, replay_capacity=200,
                      min_replay_size=200)

@@ -11,11 +11,11 @@ import pytest
 
 import sebulba
 from agents.r2d2 import R2D2, R2D2Config
-from sebulba import memory_envs
+from sebulba.envs import suite
 
-CUE_RECALL = memory_envs.CUE_RECALL
+CUE_RECALL = suite.CUE_RECALL
 CUE_KWARGS = {"num_cues": 2, "delay": 5}  # 7-step episodes; chance is 0.5, the max 1
-CARTPOLE = memory_envs.CARTPOLE_NO_VELOCITY  # a uniformly random policy scores ~22
+CARTPOLE = suite.CARTPOLE_NO_VELOCITY  # a uniformly random policy scores ~22
 
 
 def run(env: str, env_kwargs: dict, config: R2D2Config, steps: int,
@@ -62,7 +62,7 @@ def test_r2d2_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     # Measured 2026-11-25 with today's defaults (own value torso and LSTM, rewards in
     # units of their RMS, 3-step returns) in the memory suite's loop, seeds 0, 1, 2: at
     # 0.8 by 100k on each, 0.93, 0.95, 0.94 at 1M; the feed-forward twin 0.26.
-    result = run(memory_envs.REPEAT_FIRST, {}, R2D2Config(), 120_000, seed=0)
+    result = run(suite.REPEAT_FIRST, {}, R2D2Config(), 120_000, seed=0)
     assert result.mean_return(0.9, 1.0) >= 0.6, result.summary()
 
 
@@ -74,7 +74,7 @@ def test_r2d2_defaults_repeat_the_symbol_shown_four_steps_back(no_leftovers):
     (1M steps; the last 10% over the optimum): seeds 0, 1, 2 at 0.94, 0.93, 0.91, at 0.8
     by 700k to 850k; the twin 0.25. Before the value got its own core and the rewards
     their scale, 0.44. This test and the CartPole one took 296 s together on 2 cores."""
-    task = memory_envs.REPEAT_PREVIOUS
+    task = suite.REPEAT_PREVIOUS
     recurrent = run(task, {}, R2D2Config(), 1_000_000, seed=1)
     assert recurrent.mean_return(0.9, 1.0) >= 0.8, recurrent.summary()
     feed_forward = run(task, {}, R2D2Config(use_lstm=False), 300_000, seed=1)

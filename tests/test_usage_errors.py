@@ -19,8 +19,9 @@ import pytest
 import sebulba
 from examples.config_flags import USAGE_EXIT_CODE
 from sebulba.checkpoint import Checkpointer
-from sebulba.envs import env_spec, make_vector_env
-from sebulba.wrappers import parse_wrappers
+from sebulba.envs import env_spec
+from sebulba.envs.gymnasium_source import make_vector_env
+from sebulba.envs.wrappers import parse_wrappers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--envs_per_group=4", "--steps_per_cycle=8", "--async_factor=1", "--progress=false",

@@ -5,7 +5,7 @@
     state, outputs = network.apply(params, state, obs, first)   # obs [B, T, ...], first [B, T]
 
 - torso: per-step features, [B, T, *obs_shape] -> [B, T, D] (`MLP`, `NatureCNN`, one-hot),
-  chosen from the observation space by `torso_for` (`sebulba.observations`).
+  chosen from the observation space by `torso_for` (`sebulba.envs.observations`).
 - core: the only part with memory, (state, x [B, T, D], first [B, T]) -> (state, y [B, T, D'])
   with `initial_state(batch)`. `NoCore` has the empty state `()` and passes x through;
   `LSTMCore` resets its state before every step whose `first` is set.
@@ -32,7 +32,7 @@ import numpy as np
 
 from agents.common import distributions, normalization
 from agents.common.recurrent import LSTMState, ResetLSTM, initial_lstm_state
-from sebulba import observations
+from sebulba.envs import observations
 
 Params = Any
 CoreState = Any  # a pytree with leaves [B, ...]; () for feed-forward networks
@@ -78,7 +78,7 @@ class NatureCNN(nn.Module):
     """The DQN Nature torso (Mnih et al., 2015): three convolutions and a 512-unit layer.
 
     Maps uint8 frames [..., *frame_shape] (0-255; `layout` "HWC", "CHW" or "HW", from
-    `sebulba.observations.image_layout`) to features [..., 512]. Frames travel as uint8
+    `sebulba.envs.observations.image_layout`) to features [..., 512]. Frames travel as uint8
     and become NHWC floats in [0, 1] here, on the device.
     """
 
@@ -273,7 +273,7 @@ def encoder_for(observation_space: gym.Space) -> nn.Module:
 
 def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
               activation: str = "tanh") -> nn.Module:
-    """The torso for an observation space (`sebulba.observations` decides its kind): the
+    """The torso for an observation space (`sebulba.envs.observations` decides its kind): the
     Nature CNN for frames, else the encoder followed by an MLP of `hidden_sizes`."""
     kind = observations.kind(observation_space)
     if kind == observations.IMAGE:

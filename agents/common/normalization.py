@@ -9,7 +9,7 @@ checkpointed with them, and updated on the learner, not in per-env wrappers:
 
 `update` merges one update's batch into the running moments with the parallel-variance
 formula (Chan et al., 1979), after summing the batch's moments over the learner devices
-of every process (`psum` over `sebulba.sharding.LEARNER_AXIS`), so the replicas stay
+of every process (`psum` over `sebulba.runtime.sharding.LEARNER_AXIS`), so the replicas stay
 identical. Reward scaling divides rewards by the running standard deviation of each env's
 discounted return (the actor accumulates it: `discounted_return`), as gymnasium's
 NormalizeReward wrapper and CleanRL's continuous PPO do, but with one set of statistics
@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sebulba.sharding import LEARNER_AXIS
+from sebulba.runtime.sharding import LEARNER_AXIS
 
 COLLECTION = "normalization"
 EPSILON = 1e-8

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 import sebulba
 from agents.common import distributions, networks, normalization
-from sebulba import observations
+from sebulba.envs import observations
 
 
 def sample(keys: jax.Array, dist: distributions.Distribution) -> tuple[jax.Array, jax.Array]:
@@ -242,7 +242,7 @@ class ActorCriticActing:
                           trajectory: sebulba.Trajectory) -> networks.Params:
         # Entry T of the observations is entry 0 of the next trajectory: counted there.
         # Padding rows of a multi-agent env (first and terminated at once, which no real
-        # step is: sebulba.multiagent) hold no observation.
+        # step is: sebulba.envs.pettingzoo_source) hold no observation.
         steps = jax.tree.map(lambda x: x[:, :-1], trajectory.env_steps)
         return normalization.update(
             nets, steps.obs, trajectory.actor_outputs.extras.get("discounted_return"),

@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sebulba import sharding
-from sebulba.accounting import Accounting
 from sebulba.agent import Agent, combine_partitions
-from sebulba.channels import QueueItem, Staging
+from sebulba.runtime import sharding
+from sebulba.runtime.accounting import Accounting
+from sebulba.runtime.channels import QueueItem, Staging
 from sebulba.types import Experience, Metrics, Nets, OptState, PyTree
 
 LEARNER_AXIS = sharding.LEARNER_AXIS

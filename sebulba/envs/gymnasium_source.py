@@ -1,4 +1,7 @@
-"""Gymnasium vector envs for env groups, and the host side of one env step."""
+"""Gymnasium envs as env sources: "sync" (envs stepped in the inferencer thread), "async"
+(a worker process per env, `async_workers`) and "vector_entry_point" (the id's own vector
+env). One vector env is one env group, with NEXT_STEP autoreset; wrappers by name and
+`DesyncFirstEpisode` go around each env of the first two."""
 
 from __future__ import annotations
 
@@ -10,61 +13,20 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from sebulba import observations
-from sebulba.async_workers import (
+from sebulba.envs.async_workers import (
     AsyncVectorEnv,
     check_main_guard,
     env_worker,
     named_worker_deaths,
 )
+from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
+from sebulba.envs.wrappers import EnvWrapper, parse_wrappers, wrapper_function
 from sebulba.types import EnvSpec, EnvStep
-from sebulba.wrappers import EnvWrapper, parse_wrappers, wrapper_function
 
 EnvFactory = Callable[[], gym.Env]
 GymEnvSpec = gym.envs.registration.EnvSpec  # a registered id's spec (not sebulba's EnvSpec)
-VECTORIZATIONS = ("sync", "async", "vector_entry_point", "envpool", "pettingzoo")
-# Vectorizations that make each env themselves, so that wrappers can go around each one.
+# Gymnasium's vectorizations that make each env themselves, so wrappers go around each one.
 PER_ENV_VECTORIZATIONS = ("sync", "async")
-
-
-def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
-    """Raises ValueError unless the spaces are ones the framework batches."""
-    observations.kind(observation_space)  # names the space and the wrapper to use
-    if not isinstance(action_space, gym.spaces.Discrete | gym.spaces.MultiDiscrete
-                      | gym.spaces.Box):
-        raise ValueError(f"unsupported action space {action_space!r}: expected gymnasium."
-                         "spaces.Discrete, MultiDiscrete or Box")
-    if isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) != 0:
-        raise ValueError(f"unsupported action space {action_space!r}: Discrete must start at 0")
-    if isinstance(action_space, gym.spaces.MultiDiscrete) and (
-            np.ndim(action_space.nvec) != 1 or np.any(action_space.start != 0)):
-        raise ValueError(f"unsupported action space {action_space!r}: MultiDiscrete must be "
-                         "one-dimensional and start at 0")
-
-
-def action_to_env(action_space: gym.Space) -> Callable[[np.ndarray], np.ndarray]:
-    """What the env boundary does to the agents' actions [E, *shape] before an env sees them.
-
-    Box: non-finite actions (a diverged policy) are an error here, before they reach the
-    env (MuJoCo would integrate them into NaN states); finite ones are clipped to the
-    space's bounds. The trajectory keeps the unclipped action, whose log-probability the
-    agent recorded. Discrete and MultiDiscrete actions pass unchanged.
-    """
-    if not isinstance(action_space, gym.spaces.Box):
-        return lambda action: action
-    low, high = action_space.low, action_space.high
-
-    def to_env(action: np.ndarray) -> np.ndarray:
-        finite = np.isfinite(action)
-        if not finite.all():
-            rows = np.flatnonzero(~finite.reshape(len(action), -1).all(axis=1)).tolist()
-            raise FloatingPointError(
-                f"the policy produced non-finite actions for envs {rows[:8]} (e.g. "
-                f"{action[rows[0]]!r}) in {action_space!r}: the networks have probably "
-                "diverged (see the learner's metrics: loss, entropy)")
-        return np.clip(action, low, high)
-
-    return to_env
 
 
 def register_env_family(env_id: str) -> None:
@@ -80,27 +42,11 @@ def register_env_family(env_id: str) -> None:
 
 
 def check_env_id(env: str, vectorization: str = "sync") -> None:
-    """ValueError naming `env` unless it names an env `vectorization` can make.
+    """ValueError naming `env` unless it names a gymnasium env `vectorization` can make.
 
     Reads registries and imports the module of a `module:Id` id (as making the env would),
     but makes no env, so a misspelt id fails in a fraction of a second.
     """
-    if vectorization == "envpool":
-        from sebulba.envpool_source import check_task_id
-
-        try:
-            check_task_id(env)
-        except ValueError as e:
-            raise ValueError(f"env {env!r}: {e}") from None
-        return
-    if vectorization == "pettingzoo":
-        try:
-            importlib.import_module(env)
-        except ImportError as e:
-            raise ValueError(
-                f"env {env!r} is not an importable PettingZoo env module (e.g. "
-                f"'mpe2.simple_spread_v3'): {e}") from None
-        return
     try:
         register_env_family(env)
     except ImportError as e:
@@ -175,48 +121,19 @@ def make_env(
     return single
 
 
-def _check_wrappable(env_wrappers: Sequence[EnvWrapper], vectorization: str) -> None:
-    if env_wrappers and vectorization not in PER_ENV_VECTORIZATIONS:
-        raise ValueError(
-            f"env_wrappers wrap each env, so they need vectorization 'sync' or 'async', got "
-            f"{vectorization!r}")
-
-
 def env_spec(
     env: str | EnvFactory,
     env_kwargs: Mapping[str, Any] | None = None,
     vectorization: str = "sync",
-    agent_ids: bool = False,
     env_wrappers: Sequence[EnvWrapper] = (),
 ) -> EnvSpec:
     """Makes one env to read its spaces, then closes it.
 
     With "vector_entry_point" the spaces are those of the id's own vector env, which may
     preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
-    With "pettingzoo" they are one agent's (`sebulba.multiagent.parallel_env_spec`; with
-    `agent_ids`, extended by the agent's one-hot). `env_wrappers` (`parse_wrappers`) wrap
-    the env, in order.
+    `env_wrappers` (`parse_wrappers`) wrap the env, in order.
     """
     env_wrappers = parse_wrappers(env_wrappers)
-    _check_wrappable(env_wrappers, vectorization)
-    if vectorization == "pettingzoo":
-        from sebulba.multiagent import parallel_env_spec
-
-        return parallel_env_spec(env, env_kwargs, agent_ids)
-    if agent_ids:
-        raise ValueError(f"agent_ids is for multi-agent envs (vectorization 'pettingzoo'), got "
-                         f"vectorization {vectorization!r}")
-    if vectorization == "envpool":
-        from sebulba.envpool_source import make_pool
-
-        if not isinstance(env, str):
-            raise ValueError(f"vectorization 'envpool' needs an EnvPool task id, got {env!r}")
-        pool = make_pool(env, 1, 1, 0, env_kwargs)
-        try:
-            check_spaces(pool.observation_space, pool.action_space)
-            return EnvSpec(pool.observation_space, pool.action_space)
-        finally:
-            pool.close()
     if isinstance(env, str):
         check_env_id(env, vectorization)
     if isinstance(env, str) and vectorization == "vector_entry_point":
@@ -328,7 +245,9 @@ def make_vector_env(
     if desync_episodes and vectorization not in PER_ENV_VECTORIZATIONS:
         raise ValueError("desync_episodes needs vectorization 'sync' or 'async', "
                          f"got {vectorization!r}")
-    _check_wrappable(env_wrappers, vectorization)
+    if env_wrappers and vectorization not in PER_ENV_VECTORIZATIONS:
+        raise ValueError("env_wrappers wrap each env, so they need vectorization 'sync' or "
+                         f"'async', got {vectorization!r}")
     if vectorization == "vector_entry_point":
         if not isinstance(env, str):
             raise ValueError(f"vectorization {vectorization!r} needs an env id, not a factory")
@@ -368,93 +287,6 @@ def close_vector_env(vec: gym.vector.VectorEnv) -> None:
         vec.close(terminate=True)
     else:
         vec.close()
-
-
-class EpisodeTracker:
-    """Per-env episode starts, returns and lengths for envs addressed by id.
-
-    Turns an env's (obs, reward, terminated, truncated) rows into `EnvStep` rows with
-    fixed dtypes (so the compiled acting step never retraces) and the `first` flag. The
-    episodes' returns and lengths are tallied later, when `pop_episodes` asks for the
-    episodes that ended (or at the next observe): an acting loop asks while the device
-    computes, so the tally stays off the path from one env step to the next.
-    """
-
-    def __init__(self, num_envs: int, observation_space: gym.Space):
-        self._obs_dtype = observations.host_dtype(observation_space)
-        self._was_last = np.ones(num_envs, bool)
-        self._acted = np.zeros(num_envs, bool)  # sent an action since the reset
-        self._all_acted = False
-        self._returns = np.zeros(num_envs, np.float64)
-        self._lengths = np.zeros(num_envs, np.int64)
-        self._untallied: tuple | None = None  # (ids or None: all, reward, first, last)
-        self._ended: list[tuple[float, int]] = []
-
-    def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
-                ) -> tuple[EnvStep, int]:
-        """(EnvStep rows for `ids`, env steps these rows complete)."""
-        self._tally()
-        first = self._was_last[ids]
-        terminated = np.asarray(terminated, bool)
-        truncated = np.asarray(truncated, bool)
-        last = terminated | truncated
-        self._was_last[ids] = last
-        # Copies: the tally comes later, and a source may reuse its buffers.
-        reward = np.array(reward, np.float32)
-        self._untallied = (ids.copy(), reward, first, last)
-        # Once every env has been sent an action (the usual case), each row is a step.
-        steps = len(ids) if self._all_acted else int(np.count_nonzero(self._acted[ids]))
-        return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
-                       first), steps
-
-    def observe_all(self, obs, reward, terminated, truncated) -> tuple[EnvStep, int]:
-        """`observe` for every env in id order (a vector env's step): whole arrays, no
-        gathers by id. In the acting loop each numpy call costs 1 to 2 us (the caches
-        are cold after an acting call), several times what it costs in a tight loop."""
-        self._tally()
-        first = self._was_last  # a fresh array each step: `last` below replaces it
-        terminated = np.asarray(terminated, bool)
-        truncated = np.asarray(truncated, bool)
-        last = terminated | truncated
-        self._was_last = last
-        reward = np.asarray(reward, np.float32)
-        self._untallied = (None, reward, first, last)
-        steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
-        return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
-                       first), steps
-
-    def pop_episodes(self) -> list[tuple[float, int]]:
-        """(return, length) of the episodes that ended in the rows observed since the last
-        call, in the order observed."""
-        self._tally()
-        ended, self._ended = self._ended, []
-        return ended
-
-    def _tally(self) -> None:
-        """Adds the last observed rows to their episodes' returns and lengths."""
-        if self._untallied is None:
-            return
-        ids, reward, first, last = self._untallied
-        self._untallied = None
-        if ids is None:  # every env, in id order: the whole arrays, in place
-            returns, lengths = self._returns, self._lengths
-        else:
-            returns, lengths = self._returns[ids], self._lengths[ids]
-        returns += reward
-        lengths += 1
-        if first.any():  # a reset's row: its reward is not the new episode's
-            returns[first] = 0.0
-            lengths[first] = 0
-        if ids is not None:
-            self._returns[ids] = returns
-            self._lengths[ids] = lengths
-        if last.any():
-            self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
-
-    def sent(self, ids: np.ndarray) -> None:
-        if not self._all_acted:
-            self._acted[ids] = True
-            self._all_acted = bool(self._acted.all())
 
 
 class VectorEnvSource:
@@ -499,16 +331,3 @@ class VectorEnvSource:
 
     def close(self) -> None:
         close_vector_env(self.vec)
-
-
-def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
-    """A zero EnvStep with the shapes and dtypes env sources produce."""
-    obs_dtype = observations.host_dtype(spec.observation_space)
-    flags = np.zeros(num_envs, bool)
-    return EnvStep(
-        obs=np.zeros((num_envs,) + spec.obs_shape, obs_dtype),
-        reward=np.zeros(num_envs, np.float32),
-        terminated=flags,
-        truncated=flags,
-        first=flags,
-    )

@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from sebulba.preemption import end_process_now
+from sebulba.runtime.preemption import end_process_now
 
 EXIT_CODE = 3
 # Seconds a learner may take to finish its first update (start-up and compilation

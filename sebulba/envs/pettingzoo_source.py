@@ -25,11 +25,22 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from sebulba import observations
-from sebulba.envs import action_to_env, check_spaces
+from sebulba.envs import observations
+from sebulba.envs.base import action_to_env, check_spaces
 from sebulba.types import EnvSpec, EnvStep
 
 ParallelEnvFactory = Callable[[], Any]
+
+
+def check_env(env: str) -> None:
+    """ValueError naming `env` unless it is an importable module (PettingZoo's convention:
+    one env per module, `mpe2.simple_spread_v3`)."""
+    try:
+        importlib.import_module(env)
+    except ImportError as e:
+        raise ValueError(
+            f"env {env!r} is not an importable PettingZoo env module (e.g. "
+            f"'mpe2.simple_spread_v3'): importing {env!r} failed: {e}") from None
 
 
 def make_parallel_env(env: str | ParallelEnvFactory,

@@ -12,7 +12,7 @@ import traceback
 
 import jax
 
-from sebulba.preemption import end_process_now
+from sebulba.runtime.preemption import end_process_now
 
 
 def initialize(

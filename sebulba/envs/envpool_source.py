@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from sebulba.envs import EpisodeTracker, action_to_env
-from sebulba.types import EnvStep
+from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
+from sebulba.types import EnvSpec, EnvStep
 
 
 @contextlib.contextmanager
@@ -61,6 +61,24 @@ def check_task_id(task_id: str) -> None:
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ValueError(f"{task_id!r} is not an EnvPool task id{hint}; "
                          "envpool.list_all_envs() lists them")
+
+
+def check_env(env: str) -> None:
+    """`check_task_id`, the error naming `env` as the run's env."""
+    try:
+        check_task_id(env)
+    except ValueError as e:
+        raise ValueError(f"env {env!r}: {e}") from None
+
+
+def pool_spec(task_id: str, env_kwargs: Mapping[str, Any] | None = None) -> EnvSpec:
+    """The spaces of an EnvPool task (a pool of one env, made and closed)."""
+    pool = make_pool(task_id, 1, 1, 0, env_kwargs)
+    try:
+        check_spaces(pool.observation_space, pool.action_space)
+        return EnvSpec(pool.observation_space, pool.action_space)
+    finally:
+        pool.close()
 
 
 def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,

@@ -32,39 +32,23 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sebulba import sharding
-from sebulba.accounting import Accounting, StageClock
 from sebulba.agent import Agent
-from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
+from sebulba.envs.base import EnvSource
+from sebulba.runtime import sharding
+from sebulba.runtime.accounting import Accounting, StageClock
+from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.types import ActorOutput, EnvStep, StepState, Trajectory
 
 # Cycles of one group that may be open at once: the slowest env's and those of envs
 # that ran ahead of it. An env about to open one more is held back (`_HoldBack`).
 MAX_PENDING_CYCLES = 3
 _SNAPSHOT_SLOTS = MAX_PENDING_CYCLES + 1  # a cycle's final StepState is the next's initial
-
-
-class EnvSource(Protocol):
-    """What an inferencer thread drives (`sebulba.envs.VectorEnvSource`, EnvPool's)."""
-
-    num_envs: int
-    num_groups: int
-    group_size: int
-    in_order: bool  # recv always returns every env, in id order (a vector env)
-
-    def reset(self, seed: int) -> None: ...
-    def recv(self) -> tuple[np.ndarray, EnvStep, int]: ...  # ids, their rows, env steps
-    def pop_episodes(self) -> list[tuple[float, int]]:
-        """(return, length) of the episodes that ended in the rows recv returned since
-        the last call."""
-    def send(self, actions: np.ndarray, ids: np.ndarray) -> None: ...
-    def close(self) -> None: ...
 
 
 class ActorState(NamedTuple):

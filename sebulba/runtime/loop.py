@@ -13,23 +13,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sebulba import sharding
-from sebulba.accounting import Accounting, RunResult
 from sebulba.agent import Agent, Layout
-from sebulba.async_workers import CLOSE_TIMEOUT_S
-from sebulba.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.config import Config
-from sebulba.envpool_source import EnvPoolSource
-from sebulba.envs import (
-    VectorEnvSource,
-    check_desync,
-    make_vector_env,
-)
-from sebulba.inferencer import ActingFunctions, EnvGroupRunner, EnvSource
-from sebulba.learner import Learner
-from sebulba.multiagent import ParallelEnvSource, make_parallel_envs
+from sebulba.envs import registry
+from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
+from sebulba.envs.base import EnvSource
+from sebulba.envs.gymnasium_source import check_desync
+from sebulba.runtime import sharding
+from sebulba.runtime.accounting import Accounting, RunResult
+from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
+from sebulba.runtime.inferencer import ActingFunctions, EnvGroupRunner
+from sebulba.runtime.learner import Learner
+from sebulba.runtime.watchdog import EnvStall, ProgressWatchdog
 from sebulba.types import AgentState, Nets, PyTree
-from sebulba.watchdog import EnvStall, ProgressWatchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,34 +342,27 @@ class Sebulba:
                 + learner_updates * rows)
 
     def _make_sources(self, learner_updates: int) -> list[tuple[int, jax.Device, EnvSource]]:
-        """(first group, inference device, env source) of each inferencer thread.
-
-        Gymnasium vectorizations: one vector env, one group, per thread, `async_factor`
-        threads per device. EnvPool: one pool of `async_factor` groups per device.
-        """
+        """(first group, inference device, env source) of each inferencer thread: the
+        run's env source kind makes `async_factor` groups per device (one source per
+        group, or one source of several groups)."""
         cfg = self.config
-        size, per_device = cfg.envs_per_group, cfg.async_factor
+        kind = registry.get(cfg.vectorization)
         sources: list[tuple[int, jax.Device, EnvSource]] = []
         try:
             for d, device in enumerate(self.inference_devices):
-                first = d * per_device
-                if cfg.vectorization == "envpool":
-                    sources.append((first, device, EnvPoolSource(
-                        cfg.env, per_device, size, self._env_seed(first, learner_updates),
-                        cfg.env_kwargs)))
-                    continue
-                for group in range(first, first + per_device):
-                    if cfg.vectorization == "pettingzoo":
-                        sources.append((group, device, ParallelEnvSource(
-                            make_parallel_envs(cfg.env, cfg.env_kwargs, size), cfg.agent_ids)))
-                        continue
-                    vec = make_vector_env(cfg.env, size, cfg.vectorization, cfg.env_kwargs,
-                                          cfg.async_context, cfg.desync_episodes,
-                                          cfg.env_wrappers)
-                    sources.append((group, device, VectorEnvSource(vec)))
+                group = d * cfg.async_factor
+                request = cfg.source_request(cfg.async_factor,
+                                             self._env_seed(group, learner_updates))
+                for source in kind.make_sources(request):
+                    sources.append((group, device, source))  # closed on error
+                    group += source.num_groups
+                if group != (d + 1) * cfg.async_factor:
+                    raise ValueError(
+                        f"vectorization {cfg.vectorization!r} made sources of "
+                        f"{group - d * cfg.async_factor} groups for device {device}, "
+                        f"asked for {cfg.async_factor}")
         except BaseException:
-            for _, _, source in sources:
-                source.close()
+            registry.close_all([source for _, _, source in sources])
             raise
         return sources
 
@@ -404,8 +393,7 @@ class Sebulba:
                     action_poll_s=cfg.action_poll_seconds,
                 ))
         except BaseException:
-            for _, _, source in sources:
-                source.close()
+            registry.close_all([source for _, _, source in sources])
             raise
         return runners
 

@@ -20,7 +20,7 @@ With `leave_after` = n, the last agent leaves the episode (terminated) after n s
 while the others go on: the case of agents leaving early that the framework masks.
 
 `parallel_env(**kwargs)` makes one, following PettingZoo's module convention, so
-`Config(env="sebulba.role_call", vectorization="pettingzoo")` runs it.
+`Config(env="sebulba.envs.suite.role_call", vectorization="pettingzoo")` runs it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,4 @@
-"""Small Gymnasium envs that need memory, to tell recurrent agents from feed-forward ones.
-
-Registered when this module is imported, which gymnasium does for an id written in
-its `module:Id` form, so `import sebulba` registers nothing and these work with
-`gymnasium.make_vec` and the launcher's --env, in subprocess workers too:
-
-  gymnasium.make("sebulba.memory_envs:sebulba/CueRecall-v0")
-
-  sebulba/CueRecall-v0              a cue at the first step, recalled `delay` steps later
-  sebulba/CartPoleNoVelocity-v1     CartPole-v1 observing only cart position and pole angle
-  sebulba/PendulumNoVelocity-v1     Pendulum-v1 (continuous actions) observing only the angle
-  sebulba/RepeatFirst-v0            name the symbol shown at step 0, at every step
-  sebulba/RepeatPrevious-v0         name the symbol shown k steps ago, at every step
-  sebulba/CountRecall-v0            report how often symbol 0 has been seen so far
-  sebulba/RepeatFirstContinuous-v0  name the sign pattern of the vector shown at step 0
-
-The last four form a suite with known optima: an episode has a fixed length, ends by
-termination (never truncation, since the length is part of the task), and the rewards of
-an episode add up to at most 1.0, which a policy with memory reaches. Each class's
-docstring states its "chance": the expected return of the best memoryless policy, one
-that acts on the current observation only (a feed-forward agent at best learns that).
-"""
+"""Small Gymnasium envs that need memory (ids and optima: `sebulba.envs.suite`)."""
 
 from __future__ import annotations
 
@@ -335,11 +314,3 @@ def _register() -> None:
 
 _register()
 
-# The ids in `module:Id` form, which import this module (and so register the envs).
-CUE_RECALL = f"{__name__}:sebulba/CueRecall-v0"
-CARTPOLE_NO_VELOCITY = f"{__name__}:sebulba/CartPoleNoVelocity-v1"
-PENDULUM_NO_VELOCITY = f"{__name__}:sebulba/PendulumNoVelocity-v1"
-REPEAT_FIRST = f"{__name__}:sebulba/RepeatFirst-v0"
-REPEAT_PREVIOUS = f"{__name__}:sebulba/RepeatPrevious-v0"
-COUNT_RECALL = f"{__name__}:sebulba/CountRecall-v0"
-REPEAT_FIRST_CONTINUOUS = f"{__name__}:sebulba/RepeatFirstContinuous-v0"

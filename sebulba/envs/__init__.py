@@ -1,0 +1,37 @@
+"""Env sources: where env steps come from.
+
+`base` holds the protocol every source follows (`EnvSource`) and the host side of one env
+step; one module per source (`gymnasium_source`, `async_workers`, `envpool_source`,
+`pettingzoo_source`); `registry` maps each `Config.vectorization` name to its source;
+`suite` holds the small envs with known optima that sebulba ships for tests.
+"""
+
+from sebulba.envs.base import (
+    EnvSource,
+    EpisodeTracker,
+    action_to_env,
+    check_spaces,
+    example_env_step,
+)
+from sebulba.envs.registry import (
+    EnvSourceKind,
+    SourceRequest,
+    env_spec,
+    names,
+    register,
+    unregister,
+)
+
+__all__ = [
+    "EnvSource",
+    "EnvSourceKind",
+    "EpisodeTracker",
+    "SourceRequest",
+    "action_to_env",
+    "check_spaces",
+    "env_spec",
+    "example_env_step",
+    "names",
+    "register",
+    "unregister",
+]
