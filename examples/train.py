@@ -185,7 +185,28 @@ def save_experience(experience, num_local_learners: int) -> bool:
     return experience_mib(experience) * num_local_learners <= EXPERIENCE_AUTO_MIB
 
 
-def main(argv: list[str]) -> None:
+@dataclasses.dataclass
+class Launch:
+    """What `main` prepares before the run: the loop, its checkpoints and where it starts."""
+
+    loop: sebulba.Sebulba
+    metadata: dict
+    checkpointer: Checkpointer | None  # the run's checkpoints (written by process 0)
+    resume_step: int | None
+    own: Checkpointer | None = None  # this process's part of each checkpoint
+    state: sebulba.AgentState | None = None
+    local_experience: object = None
+    with_experience: bool = False
+    consumed: int = 0
+    learner_updates: int = 0
+
+    def close(self) -> None:
+        for c in {self.checkpointer, self.own} - {None}:
+            c.close()
+
+
+def check_command_line(argv: list[str]) -> None:
+    """UsageError for flags that contradict each other, before any flag is converted."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     for holder in (_RESUME, _RESUME_IF_PRESENT):
@@ -195,24 +216,29 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--resume and --resume_if_present exclude each other: --resume "
                              "requires a checkpoint, --resume_if_present takes one if present")
     check_agent_flags(_AGENT.value)
-    checkpointer = None
-    try:  # every bad value is reported here, before envs, threads or devices start
+    if not _PROGRESS_TIMEOUT.value > 0:
+        raise app.UsageError(
+            f"--progress_timeout_seconds must be > 0, got {_PROGRESS_TIMEOUT.value}")
+    if not _GRACE.value > 0:
+        raise app.UsageError(f"--preemption_grace_seconds must be > 0, got {_GRACE.value}")
+    for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
+        if holder.value < 1:
+            raise app.UsageError(f"--{holder.name} must be >= 1, got {holder.value}")
+    if _HEARTBEAT.value < 1:
+        raise app.UsageError(
+            f"--heartbeat_timeout_seconds must be >= 1, got {_HEARTBEAT.value}")
+
+
+def make_config() -> tuple[object, sebulba.Config]:
+    """(agent config, run config) from the flags, joining the cluster of a multi-process
+    run on the way; a bad value is a UsageError naming its flag."""
+    try:
         agent_config = _AGENT_FLAGS[_AGENT.value].config()
         run_values = _RUN_FLAGS.values()
         # An agent that builds sequences from whole cycles (R2D2) fixes T unless it is set.
         period = getattr(agent_config, "sequence_period", None)
         if period is not None and not flags.FLAGS[_RUN_FLAGS.flag_name("steps_per_cycle")].present:
             run_values["steps_per_cycle"] = period
-        if not _PROGRESS_TIMEOUT.value > 0:
-            raise ValueError(
-                f"--progress_timeout_seconds must be > 0, got {_PROGRESS_TIMEOUT.value}")
-        if not _GRACE.value > 0:
-            raise ValueError(f"--preemption_grace_seconds must be > 0, got {_GRACE.value}")
-        for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
-            if holder.value < 1:
-                raise ValueError(f"--{holder.name} must be >= 1, got {holder.value}")
-        if _HEARTBEAT.value < 1:
-            raise ValueError(f"--heartbeat_timeout_seconds must be >= 1, got {_HEARTBEAT.value}")
         if isinstance(run_values["env"], str):  # Config checks it too, after the cluster
             registry.get(run_values["vectorization"]).check_env(run_values["env"])
         # Join the cluster before anything touches JAX devices (Config resolves them).
@@ -220,25 +246,32 @@ def main(argv: list[str]) -> None:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                    heartbeat_timeout_seconds=_HEARTBEAT.value)
         with quiet_info():
-            config = sebulba.Config(**run_values)
+            return agent_config, sebulba.Config(**run_values)
     except (ValueError, TypeError) as e:
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
+
+
+def check_agent(loop: sebulba.Sebulba) -> None:
+    """Checks an agent makes as it sizes its state for the run (R2D2's steps_per_cycle
+    against its sequence length), traced without computing: in a fraction of a second
+    instead of after the networks' initialization. Anything but a ValueError here is left
+    to the real initial_state, which reports it in full."""
+    try:
+        jax.eval_shape(loop.initial_state)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - reported by the real initial_state
+        pass
+
+
+def prepare(agent_config, config: sebulba.Config) -> Launch:
+    """The loop (the agent checked against the env and the run, nothing compiled), its
+    checkpointer and the step to resume from; a bad combination is a UsageError."""
+    checkpointer = None
     try:
         with quiet_info():
-            # The agent against the env and the run (an action space it cannot act in,
-            # drop_when_full for an agent that needs every trajectory, ...): Sebulba's
-            # construction checks them and compiles nothing.
             loop = build(_AGENT.value, agent_config, config)
-            # Checks an agent makes as it sizes its state for the run (R2D2's steps_per_cycle
-            # against its sequence length), traced without computing: in a fraction of a
-            # second instead of after the networks' initialization. Anything but a ValueError
-            # here is left to the real initial_state below, which reports it in full.
-            try:
-                jax.eval_shape(loop.initial_state)
-            except ValueError:
-                raise
-            except Exception:
-                pass
+            check_agent(loop)
             metadata = run_metadata(_AGENT.value, agent_config, config)
             if _LOGDIR.value:
                 directory = os.path.join(_LOGDIR.value, "checkpoints")
@@ -254,63 +287,64 @@ def main(argv: list[str]) -> None:
             with quiet_info():
                 checkpointer.close()
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
-    primary = jax.process_index() == 0
-    # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt).
-    preemption = Preemption(_GRACE.value)
+    return Launch(loop, metadata, checkpointer, resume_step)
 
+
+def restore(launch: Launch) -> None:
+    """The state the run starts from: the initial one, or the checkpoint's to resume."""
+    loop, checkpointer, primary = launch.loop, launch.checkpointer, jax.process_index() == 0
     state = loop.initial_state()
     num_local_learners = len(loop.local_learner_devices)
-    with_experience = save_experience(state.experience, num_local_learners)
+    launch.with_experience = save_experience(state.experience, num_local_learners)
     # Each process's own part of a checkpoint (its envs' step state and its learner
     # devices' experience); process 0's is in the checkpoint itself.
-    own = checkpointer
+    launch.own = checkpointer
     if checkpointer is not None and not primary:
-        own = ProcessCheckpointer(
+        launch.own = ProcessCheckpointer(
             process_directory(checkpointer.directory, jax.process_index()),
             max_to_keep=_KEEP.value)
-    local_experience = None
-    consumed = learner_updates = 0
-    if resume_step is not None:
-        like_experience = jax.tree.map(lambda x: jax.numpy.stack([x] * num_local_learners),
-                                       state.experience)
-        restored = checkpointer.restore(nets=state.nets, opt=state.opt, metadata=metadata,
-                                        step=resume_step)
-        if resume_step not in own.all_steps():
-            raise ValueError(f"--resume: checkpoint {resume_step} has no part of process "
-                             f"{jax.process_index()} in {own.directory}")
-        mine = own.restore(nets=None, opt=None, metadata=metadata, step=resume_step,
-                           local_experience=like_experience, step_state=state.step_state)
-        state = state._replace(nets=restored.nets, opt=restored.opt,
-                               step_state=(state.step_state if mine.step_state is None
-                                           else mine.step_state))
-        local_experience = mine.local_experience
-        consumed = restored.counters["consumed"]
-        learner_updates = restored.counters.get("learner_updates", 0)
-        if primary:
-            kept = "" if local_experience is not None else "; experience starts empty"
-            print(f"resumed from {checkpointer.directory} at {consumed:,} env steps, "
-                  f"learner update {learner_updates:,}{kept}")
-    remaining = _TOTAL_ENV_STEPS.value - consumed
-    if remaining <= 0:
-        if primary:
-            print(f"nothing to do: {consumed:,} of {_TOTAL_ENV_STEPS.value:,} env steps done")
-        for c in {checkpointer, own} - {None}:
-            c.close()
+    launch.state = state
+    step = launch.resume_step
+    if step is None:
         return
+    like_experience = jax.tree.map(lambda x: jax.numpy.stack([x] * num_local_learners),
+                                   state.experience)
+    restored = checkpointer.restore(nets=state.nets, opt=state.opt, metadata=launch.metadata,
+                                    step=step)
+    if step not in launch.own.all_steps():
+        raise ValueError(f"--resume: checkpoint {step} has no part of process "
+                         f"{jax.process_index()} in {launch.own.directory}")
+    mine = launch.own.restore(nets=None, opt=None, metadata=launch.metadata, step=step,
+                              local_experience=like_experience, step_state=state.step_state)
+    launch.state = state._replace(
+        nets=restored.nets, opt=restored.opt,
+        step_state=state.step_state if mine.step_state is None else mine.step_state)
+    launch.local_experience = mine.local_experience
+    launch.consumed = restored.counters["consumed"]
+    launch.learner_updates = restored.counters.get("learner_updates", 0)
+    if primary:
+        kept = "" if launch.local_experience is not None else "; experience starts empty"
+        print(f"resumed from {checkpointer.directory} at {launch.consumed:,} env steps, "
+              f"learner update {launch.learner_updates:,}{kept}")
 
+
+def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
+    """Runs the loop to --total_env_steps, reporting metrics and saving checkpoints every
+    --checkpoint_every_steps and at the end."""
+    primary, own = jax.process_index() == 0, launch.own
     writer = default_writers(_LOGDIR.value) if (_LOGDIR.value and primary) else None
     reporter = Reporter(_TOTAL_ENV_STEPS.value, writer, every_seconds=_LOG_EVERY.value,
-                        progress=_PROGRESS.value and primary, step_offset=consumed,
+                        progress=_PROGRESS.value and primary, step_offset=launch.consumed,
                         num_processes=jax.process_count())
-    next_save = consumed + _CHECKPOINT_EVERY.value
+    next_save = launch.consumed + _CHECKPOINT_EVERY.value
 
     def save(step: int, info) -> None:
         """Every process saves its own part at the same update (their steps agree)."""
         nets, opt, experience = info.learner_state()
         own.save(step, nets=nets if primary else None, opt=opt if primary else None,
-                 metadata=metadata,
+                 metadata=launch.metadata,
                  counters={"consumed": step, "learner_updates": info.version},
-                 local_experience=experience if with_experience else None,
+                 local_experience=experience if launch.with_experience else None,
                  step_state=info.actor_state())
 
     last_info = None
@@ -325,38 +359,62 @@ def main(argv: list[str]) -> None:
             next_save = step + _CHECKPOINT_EVERY.value
 
     try:
-        try:
-            with preemption:
-                result = loop.run(remaining, state, on_update=on_update,
-                                  local_experience=local_experience, stop=preemption.event,
-                                  progress_timeout_s=_PROGRESS_TIMEOUT.value,
-                                  learner_updates=learner_updates)
-                if own is not None and last_info is not None:
-                    step = reporter.global_step(last_info)
-                    if step not in own.all_steps():
-                        save(step, last_info)
-        finally:
-            reporter.close()
-            for c in {checkpointer, own} - {None}:
-                c.close()
-    except Exception:
-        if jax.process_count() == 1:
-            raise
-        distributed.end_failed_process("this process's run failed (traceback above); not "
-                                       "waiting for the cluster's shutdown")
-    if primary:  # every process has the same networks: report once
+        with preemption:
+            result = launch.loop.run(
+                _TOTAL_ENV_STEPS.value - launch.consumed, launch.state, on_update=on_update,
+                local_experience=launch.local_experience, stop=preemption.event,
+                progress_timeout_s=_PROGRESS_TIMEOUT.value,
+                learner_updates=launch.learner_updates)
+            if own is not None and last_info is not None:
+                step = reporter.global_step(last_info)
+                if step not in own.all_steps():
+                    save(step, last_info)
+    finally:
+        reporter.close()
+        launch.close()
+    return result
+
+
+def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) -> None:
+    """Prints the summary; a run stopped by a signal exits with 128 + its number."""
+    consumed = launch.consumed + result.global_consumed
+    if jax.process_index() == 0:  # every process has the same networks: report once
         print(result.summary())
         summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}
-        print(json.dumps({"total_consumed": consumed + result.global_consumed, **summary}))
+        print(json.dumps({"total_consumed": consumed, **summary}))
     if result.stopped_early:
         # A process stopped by a peer's signal exits as if it had got SIGTERM itself, so
         # a job script can requeue the run on one exit code.
         why = (signal.Signals(preemption.signum).name if preemption.signum is not None
                else "a signal to another process of the run")
-        saved = f"; checkpoint in {checkpointer.directory}" if checkpointer is not None else ""
-        print(f"stopped by {why} after {consumed + result.global_consumed:,} env steps"
-              f"{saved}", file=sys.stderr)
+        saved = (f"; checkpoint in {launch.checkpointer.directory}"
+                 if launch.checkpointer is not None else "")
+        print(f"stopped by {why} after {consumed:,} env steps{saved}", file=sys.stderr)
         sys.exit(preemption.exit_code or 128 + signal.SIGTERM)
+
+
+def main(argv: list[str]) -> None:
+    # Every bad value is reported before envs, threads or devices start.
+    check_command_line(argv)
+    agent_config, config = make_config()
+    launch = prepare(agent_config, config)
+    # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt).
+    preemption = Preemption(_GRACE.value)
+    restore(launch)
+    if launch.consumed >= _TOTAL_ENV_STEPS.value:
+        if jax.process_index() == 0:
+            print(f"nothing to do: {launch.consumed:,} of {_TOTAL_ENV_STEPS.value:,} env "
+                  "steps done")
+        launch.close()
+        return
+    try:
+        result = train(launch, preemption)
+    except Exception:
+        if jax.process_count() == 1:
+            raise
+        distributed.end_failed_process("this process's run failed (traceback above); not "
+                                       "waiting for the cluster's shutdown")
+    report(launch, result, preemption)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,26 @@ class _ConsumedCut:
             for g, initial in enumerate(self.initial)])
 
 
+@dataclasses.dataclass
+class _Run:
+    """One call of `Sebulba.run`: its channels, threads and progress."""
+
+    halt: threading.Event  # tells the inferencer threads to end
+    errors: ErrorBox
+    accounting: Accounting
+    trajectories: queue.Queue[QueueItem]
+    stagings: dict[jax.Device, Staging]
+    cut: _ConsumedCut
+    watchdog: ProgressWatchdog | None = None
+    stall: EnvStall | None = None
+    runners: list[EnvGroupRunner] = dataclasses.field(default_factory=list)
+    threads: list[threading.Thread] = dataclasses.field(default_factory=list)
+    popped: list[QueueItem] = dataclasses.field(default_factory=list)  # not learnt from yet
+    stopped_early: bool = False
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    wall: float = 0.0
+
+
 class Sebulba:
     """Runs an agent: `async_factor` env groups per inference device, one learner.
 
@@ -197,6 +217,26 @@ class Sebulba:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
         """
+        self._check_run_args(total_env_steps, learn, progress_timeout_s, learner_updates)
+        state = self.initial_state() if state is None else state
+        run = self._start_learner(state, local_experience, learner_updates,
+                                  progress_timeout_s)
+        try:
+            self._start_inferencers(run, state.step_state, learner_updates,
+                                    progress_timeout_s)
+            self._update_loop(run, total_env_steps, learn, on_update, stop)
+            self.learner.finish()
+        finally:
+            still_alive = self._stop(run)
+        run.errors.raise_if_any()
+        if still_alive:
+            raise RuntimeError(
+                f"threads did not stop within {2 * self.config.shutdown_timeout_s}s (stuck "
+                f"in an env's step, or in its close): {still_alive}")
+        return self._result(run, learner_updates)
+
+    def _check_run_args(self, total_env_steps: int, learn: bool,
+                        progress_timeout_s: float | None, learner_updates: int) -> None:
         if not isinstance(total_env_steps, int) or total_env_steps < 1:
             raise ValueError(f"total_env_steps must be an int >= 1, got {total_env_steps!r}")
         if not isinstance(learner_updates, int) or learner_updates < 0:
@@ -204,101 +244,113 @@ class Sebulba:
         if progress_timeout_s is not None and not progress_timeout_s > 0:
             raise ValueError(
                 f"progress_timeout_s must be > 0 or None, got {progress_timeout_s!r}")
-        cfg = self.config
-        if cfg.lockstep and not (learn and self.learner.optims_per_update > 0):
+        if self.config.lockstep and not (learn and self.learner.optims_per_update > 0):
             raise ValueError("lockstep acting waits for networks that only learning "
                              "publishes: it needs learn=True and an optimizer step per update")
-        state = self.initial_state() if state is None else state
-        devices = self.learner_devices
+
+    def _start_learner(self, state: AgentState, local_experience: PyTree | None,
+                       learner_updates: int, progress_timeout_s: float | None) -> _Run:
+        """The run's channels, and the learner started from `state` (its networks
+        published to every inference device's staging area)."""
+        cfg, devices = self.config, self.learner_devices
         if local_experience is None:
             experience = sharding.replicate(state.experience, devices)
         else:
             experience = sharding.stack_local(local_experience, devices)
-
         halt = threading.Event()  # tells the inferencer threads to end
-        errors = ErrorBox(halt)
-        accounting = Accounting()
-        trajectories: queue.Queue[QueueItem] = queue.Queue(cfg.effective_queue_capacity)
-        stagings = {d: Staging(d) for d in self.inference_devices}
-        learner = self.learner
-        learner.start(sharding.replicate(state.nets, devices),
-                      sharding.replicate(state.opt, devices), experience,
-                      stagings=stagings.values(), accounting=accounting,
-                      updates=learner_updates)
-        cut = _ConsumedCut(state.step_state, cfg.num_groups, self.rows_per_group)
-
-        watchdog = None
+        run = _Run(
+            halt=halt,
+            errors=ErrorBox(halt),
+            accounting=Accounting(),
+            trajectories=queue.Queue(cfg.effective_queue_capacity),
+            stagings={d: Staging(d) for d in self.inference_devices},
+            cut=_ConsumedCut(state.step_state, cfg.num_groups, self.rows_per_group),
+        )
         if self.num_processes > 1 and progress_timeout_s is not None:
-            watchdog = ProgressWatchdog(progress_timeout_s, self.process_index)
-        runners: list[EnvGroupRunner] = []
-        threads: list[threading.Thread] = []
-        popped: list[QueueItem] = []  # items taken from the queue, not yet learnt from
-        stopped_early = False
-        stall: EnvStall | None = None
-        start = time.perf_counter()
-        try:
-            runners = self._make_runners(state.step_state, stagings, trajectories, halt, errors,
-                                         accounting, learner_updates)
-            for r in runners:
-                threads.append(threading.Thread(
-                    target=r, name=r.name, daemon=True))
-            if self.num_processes == 1 and progress_timeout_s is not None:
-                stall = EnvStall(progress_timeout_s, threads)
-            start = time.perf_counter()
-            for t in threads:
-                t.start()
-            # `consumed` grows only after an update, so an iteration always gathers its K
-            # items (popped one at a time: see Config.trajectories_per_update for why this
-            # cannot deadlock) and every process runs the same number of iterations.
-            while accounting.consumed * self.num_processes < total_env_steps:
-                popped.append(self._get(trajectories, errors, accounting, stall))
-                if len(popped) < cfg.trajectories_per_update:
-                    continue
-                lags = [learner.updates - item.version for item in popped]
-                if watchdog is not None:
-                    watchdog.entering(learner.updates + 1)
-                try:  # the collectives of an update (and of the stop vote) need every process
-                    if learn:
-                        learner.update(popped)
-                    stopped_early = stop is not None and learner.vote_to_stop(stop.is_set())
-                except RuntimeError as e:  # a collective failed: say who was behind
-                    if watchdog is None:
-                        raise
-                    raise RuntimeError(f"{e}\n{watchdog.report()}") from e
-                if watchdog is not None:
-                    watchdog.finished(learner.updates)
-                for item, lag in zip(popped, lags, strict=True):
-                    accounting.add_consumed(item.num_env_steps, lag)
-                    cut.consumed(item)
-                popped = []
-                if on_update is not None:
-                    on_update(UpdateInfo(
-                        learner.updates, learner.metrics, learner.published, accounting,
-                        _LearnerSnapshot(learner.nets, learner.opt, learner.experience, cut)))
-                # One process needs no vote: an event set in on_update counts at once.
-                if stopped_early or (self.num_processes == 1 and stop is not None
-                                     and stop.is_set()):
-                    stopped_early = True
-                    break
-            learner.finish()
-        finally:
-            if watchdog is not None:
-                watchdog.close()
-            halt.set()
-            still_alive = self._shut_down(threads, runners,
-                                          stalled=stall is not None and stall.fired)
-            wall = time.perf_counter() - start
-        errors.raise_if_any()
-        if still_alive:
-            raise RuntimeError(
-                f"threads did not stop within {2 * cfg.shutdown_timeout_s}s (stuck in an "
-                f"env's step, or in its close): {still_alive}")
+            run.watchdog = ProgressWatchdog(progress_timeout_s, self.process_index)
+        self.learner.start(sharding.replicate(state.nets, devices),
+                           sharding.replicate(state.opt, devices), experience,
+                           stagings=run.stagings.values(), accounting=run.accounting,
+                           updates=learner_updates)
+        return run
 
-        in_flight = sum(r.partial_steps for r in runners)
-        in_flight += sum(item.num_env_steps for item in popped)
+    def _start_inferencers(self, run: _Run, step_state: PyTree, learner_updates: int,
+                           progress_timeout_s: float | None) -> None:
+        """Makes the env sources and starts one inferencer thread on each."""
+        run.runners = self._make_runners(step_state, run, learner_updates)
+        run.threads = [threading.Thread(target=r, name=r.name, daemon=True)
+                       for r in run.runners]
+        if self.num_processes == 1 and progress_timeout_s is not None:
+            run.stall = EnvStall(progress_timeout_s, run.threads)
+        run.start = time.perf_counter()
+        for t in run.threads:
+            t.start()
+
+    def _update_loop(self, run: _Run, total_env_steps: int, learn: bool,
+                     on_update: Callable[[UpdateInfo], None] | None,
+                     stop: threading.Event | None) -> None:
+        """Pops trajectories and updates until `total_env_steps` are consumed (or `stop`).
+
+        `consumed` grows only after an update, so an iteration always gathers its K items
+        (popped one at a time: see Config.trajectories_per_update for why this cannot
+        deadlock) and every process runs the same number of iterations.
+        """
+        learner, accounting = self.learner, run.accounting
+        while accounting.consumed * self.num_processes < total_env_steps:
+            run.popped.append(self._get(run))
+            if len(run.popped) < self.config.trajectories_per_update:
+                continue
+            lags = [learner.updates - item.version for item in run.popped]
+            run.stopped_early = self._update(run, learn, stop)
+            for item, lag in zip(run.popped, lags, strict=True):
+                accounting.add_consumed(item.num_env_steps, lag)
+                run.cut.consumed(item)
+            run.popped = []
+            if on_update is not None:
+                on_update(UpdateInfo(
+                    learner.updates, learner.metrics, learner.published, accounting,
+                    _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut)))
+            # One process needs no vote: an event set in on_update counts at once.
+            if run.stopped_early or (self.num_processes == 1 and stop is not None
+                                     and stop.is_set()):
+                run.stopped_early = True
+                return
+
+    def _update(self, run: _Run, learn: bool, stop: threading.Event | None) -> bool:
+        """One learner update on the popped items; whether the processes voted to stop."""
+        learner, watchdog = self.learner, run.watchdog
+        if watchdog is not None:
+            watchdog.entering(learner.updates + 1)
+        try:  # the collectives of an update (and of the stop vote) need every process
+            if learn:
+                learner.update(run.popped)
+            stopped = stop is not None and learner.vote_to_stop(stop.is_set())
+        except RuntimeError as e:  # a collective failed: say who was behind
+            if watchdog is None:
+                raise
+            raise RuntimeError(f"{e}\n{watchdog.report()}") from e
+        if watchdog is not None:
+            watchdog.finished(learner.updates)
+        return stopped
+
+    def _stop(self, run: _Run) -> list[str]:
+        """Ends the run's threads and envs; the names of threads still alive after that."""
+        if run.watchdog is not None:
+            run.watchdog.close()
+        run.halt.set()
+        still_alive = self._shut_down(run.threads, run.runners,
+                                      stalled=run.stall is not None and run.stall.fired)
+        run.wall = time.perf_counter() - run.start
+        return still_alive
+
+    def _result(self, run: _Run, learner_updates: int) -> RunResult:
+        """The run's figures, every env step accounted for, and the state it ends in."""
+        learner, accounting = self.learner, run.accounting
+        in_flight = sum(r.partial_steps for r in run.runners)
+        in_flight += sum(item.num_env_steps for item in run.popped)
         while True:
             try:
-                in_flight += trajectories.get_nowait().num_env_steps
+                in_flight += run.trajectories.get_nowait().num_env_steps
             except queue.Empty:
                 break
         episodes, policy_lags = accounting.snapshot()
@@ -306,14 +358,14 @@ class Sebulba:
             nets=sharding.first_replica(learner.nets),
             opt=sharding.first_replica(learner.opt),
             experience=sharding.first_replica(learner.experience),
-            step_state=cut.step_state(),  # where the learner stands: run(state=) resumes it
+            step_state=run.cut.step_state(),  # where the learner stands: run(state=) resumes
         )
         return RunResult(
             env_steps=accounting.env_steps,
             consumed=accounting.consumed,
             dropped=accounting.dropped,
             in_flight=in_flight,
-            wall_seconds=wall,
+            wall_seconds=run.wall,
             episodes=episodes,
             policy_lags=policy_lags,
             episodes_total=accounting.episodes_total,
@@ -330,7 +382,7 @@ class Sebulba:
             padding_steps=accounting.padding_steps,
             team_episodes=list(accounting.team_episodes),
             learner_experience=learner.experience,
-            stopped_early=stopped_early,
+            stopped_early=run.stopped_early,
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:
@@ -366,8 +418,8 @@ class Sebulba:
             raise
         return sources
 
-    def _make_runners(self, step_state, stagings, trajectories, stop, errors, accounting,
-                      learner_updates):
+    def _make_runners(self, step_state: PyTree, run: _Run,
+                      learner_updates: int) -> list[EnvGroupRunner]:
         cfg = self.config
         size = self.rows_per_group
         runners = []
@@ -382,13 +434,13 @@ class Sebulba:
                     step_state=_slice_env_axis(step_state, first * size, source.num_envs),
                     seed=self._env_seed(first, learner_updates),
                     acting=self.acting,
-                    staging=stagings[device],
+                    staging=run.stagings[device],
                     learner_devices=self.learner_devices,
-                    out_queue=trajectories,
+                    out_queue=run.trajectories,
                     drop_when_full=cfg.drop_when_full,
-                    stop=stop,
-                    errors=errors,
-                    accounting=accounting,
+                    stop=run.halt,
+                    errors=run.errors,
+                    accounting=run.accounting,
                     lockstep=lockstep,
                     action_poll_s=cfg.action_poll_seconds,
                 ))
@@ -397,15 +449,16 @@ class Sebulba:
             raise
         return runners
 
-    def _get(self, trajectories: queue.Queue, errors: ErrorBox, accounting: Accounting,
-             stall: EnvStall | None) -> QueueItem:
+    def _get(self, run: _Run) -> QueueItem:
+        """The next trajectory; raises a thread's error, or a stalled env's."""
+        errors, accounting, stall = run.errors, run.accounting, run.stall
         t0 = time.perf_counter()
         if stall is not None:
             stall.waiting(accounting.env_steps)
         while True:
             errors.raise_if_any()
             try:
-                item = trajectories.get(timeout=POLL_SECONDS)
+                item = run.trajectories.get(timeout=POLL_SECONDS)
                 break
             except queue.Empty:
                 if stall is not None:

@@ -1,0 +1,148 @@
+"""A source of one's own: one class and one registry entry, then Config, the loop and
+evaluation take it like the shipped ones."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import sebulba
+from agents.spg import SPG, SPGConfig
+from sebulba.envs import EnvSourceKind, EpisodeTracker, SourceRequest, registry
+from sebulba.evaluation import evaluate
+
+EPISODE_LENGTH = 8
+
+
+class SignSource:
+    """`num_groups` groups of envs in one numpy array: each step shows a sign (one-hot of
+    2) and pays 1 when the action names it; episodes last EPISODE_LENGTH steps.
+
+    An env source with no gymnasium env behind it, addressed by id like a pool of envs
+    stepped elsewhere: `recv` returns the `group_size` envs sent actions longest ago.
+    """
+
+    in_order = False
+
+    def __init__(self, num_groups: int, group_size: int, seed: int):
+        self.num_groups, self.group_size = num_groups, group_size
+        self.num_envs = num_groups * group_size
+        self.space = gym.spaces.Box(0.0, 1.0, (2,), np.float32)
+        self._tracker = EpisodeTracker(self.num_envs, self.space)
+        self._rng = np.random.default_rng(seed)
+        self._sign = np.zeros(self.num_envs, np.int64)
+        self._t = np.zeros(self.num_envs, np.int64)
+        self._reward = np.zeros(self.num_envs, np.float32)
+        self._last = np.zeros(self.num_envs, bool)
+        self._ready: list[int] = []  # envs whose step is done, in the order they were sent
+        self.closed = False
+
+    def reset(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._sign = self._rng.integers(0, 2, self.num_envs)
+        self._ready = list(range(self.num_envs))
+
+    def recv(self):
+        ids = np.array(self._ready[:self.group_size])
+        del self._ready[:self.group_size]
+        obs = np.eye(2, dtype=np.float32)[self._sign[ids]]
+        no = np.zeros(len(ids), bool)
+        return (ids, *self._tracker.observe(ids, obs, self._reward[ids], self._last[ids], no))
+
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
+        restart = self._last[ids]  # NEXT_STEP autoreset: the action after a last step resets
+        self._reward[ids] = np.where(restart, 0.0, actions == self._sign[ids])
+        self._t[ids] = np.where(restart, 0, self._t[ids] + 1)
+        self._last[ids] = self._t[ids] == EPISODE_LENGTH
+        self._sign[ids] = self._rng.integers(0, 2, len(ids))
+        self._ready += ids.tolist()
+        self._tracker.sent(ids)
+
+    def pop_episodes(self):
+        return self._tracker.pop_episodes()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+made: list[SignSource] = []
+
+
+def make_sign_sources(request: SourceRequest) -> list[SignSource]:
+    made.append(SignSource(request.num_groups, request.group_size, request.seed))
+    return [made[-1]]
+
+
+def check_sign_env(env: str) -> None:
+    if env != "sign":
+        raise ValueError(f"env {env!r}: the sign source makes only 'sign'")
+
+
+SIGN = EnvSourceKind(
+    "test_sign",
+    make_sources=make_sign_sources,
+    env_spec=lambda r: sebulba.EnvSpec(gym.spaces.Box(0.0, 1.0, (2,), np.float32),
+                                       gym.spaces.Discrete(2)),
+    check_env=check_sign_env,
+    needs_env_id=True,
+    steps_in_order=False,
+)
+
+
+@pytest.fixture
+def sign_kind():
+    registry.register(SIGN)
+    made.clear()
+    yield SIGN
+    registry.unregister(SIGN.name)
+
+
+@pytest.mark.timeout(300)
+def test_a_registered_source_trains_through_the_loop(sign_kind, no_leftovers):
+    config = sebulba.Config(env="sign", vectorization="test_sign", envs_per_group=8,
+                            async_factor=2, steps_per_cycle=16, learner_devices=[0, 1])
+    agent = SPG(config.env_spec(), SPGConfig(hidden_sizes=(32,)))
+    result = sebulba.Sebulba(agent, config).run(40_000)
+
+    assert len(made) == 1 and made[0].closed  # one source of both groups, closed at the end
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    assert result.consumed >= 40_000
+    # Chance is EPISODE_LENGTH / 2; naming the sign shown is worth EPISODE_LENGTH.
+    first, last = result.mean_return(0.0, 0.1), result.mean_return(0.9, 1.0)
+    assert first < 0.7 * EPISODE_LENGTH, result.summary()
+    assert last > 0.9 * EPISODE_LENGTH, result.summary()
+    # Evaluation asks the kind too: a source that does not step in order is refused.
+    with pytest.raises(ValueError, match="'test_sign'"):
+        evaluate(agent, result.state.nets, "sign", 2, vectorization="test_sign")
+
+
+@pytest.mark.timeout(60)
+def test_config_asks_the_registry(sign_kind):
+    with pytest.raises(ValueError, match="the sign source makes only 'sign'"):
+        sebulba.Config(env="other", vectorization="test_sign")
+    with pytest.raises(ValueError, match="needs an env id"):
+        sebulba.Config(env=lambda: None, vectorization="test_sign")
+    with pytest.raises(ValueError, match="lockstep needs envs stepped in order"):
+        sebulba.Config(env="sign", vectorization="test_sign", lockstep=True, async_factor=1)
+    with pytest.raises(ValueError, match="env_wrappers wrap each env.*'sync' or 'async'"):
+        sebulba.Config(env="sign", vectorization="test_sign",
+                       env_wrappers="FlattenObservation")
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(SIGN)
+    registry.unregister(SIGN.name)
+    with pytest.raises(ValueError, match=r"must be one of \('sync', .*'pettingzoo'\)"):
+        sebulba.Config(env="sign", vectorization="test_sign")
+
+
+@pytest.mark.timeout(60)
+def test_the_shipped_kinds_say_what_they_support():
+    assert registry.names()[:5] == ("sync", "async", "vector_entry_point", "envpool",
+                                    "pettingzoo")
+    each_env = [k for k in registry.names() if registry.get(k).wraps_each_env]
+    assert each_env == ["sync", "async"]
+    assert not registry.get("envpool").steps_in_order
+    assert registry.get("pettingzoo").multi_agent
+    assert registry.get("pettingzoo").evaluate_as is None
+    assert sebulba.Config(vectorization="async").action_poll_seconds == 0.0
+    assert sebulba.Config(vectorization="sync").action_poll_seconds > 0.0
