@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks, normalization, policy
+from agents.common import checks, networks, normalization, policy
 from agents.common.returns import action_mask
 from agents.common.vtrace import VTraceOutput, vtrace
 from sebulba.experience import segments
@@ -43,47 +43,37 @@ OPTIMIZERS = ("adam", "rmsprop")
 
 @dataclasses.dataclass(frozen=True)
 class IMPALAConfig(policy.ActorCriticOptions):
-    """Hyperparameters; the defaults learn CartPole-v1 with T = 32 and 16 or 32 envs per
-    group (benchmarks/RESULTS.md, "IMPALA's late collapse on CartPole"). With
-    `use_lstm` several defaults differ, so that the LSTM agent learns the memory suite
-    (RepeatFirst-v0 and RepeatPrevious-v0 at 1/46-1/50 a step, CartPoleNoVelocity-v1 at
-    1 a step) with one setting (benchmarks/RESULTS.md, "The memory suite"):
-    - a value torso and LSTM of its own and rewards scaled (`policy.ActorCriticOptions`'
-      `shared_core` and `normalize_rewards`, as for PPO): the value's gradients do not
-      reshape the policy's memory, and the rewards' scale does not matter;
-    - 4 minibatches x 4 epochs per shard at learning rate 2.5e-4 (PPO's), advantages
-      standardized per minibatch. With the paper's single step, whatever its settings,
-      the LSTM agent stayed at 0.43-0.49 on RepeatPrevious-v0: it recalled one bit of
-      the symbol shown 4 steps back;
-    - lambda 0.9.
-    The feed-forward agent divides rewards by the running std of the discounted return
-    where it exceeds 1 (`normalize_rewards` "auto" means "down" here, where PPO's leaves
-    discrete rewards raw; with `reward_clip` it means "off"). With raw CartPole returns
-    (up to ~100) the value's gradient was 15-50x the policy's and so set how far the
-    clipped global norm shrank the policy's step; where an episode first failed after a
-    stretch at the optimum, single updates moved the policy by KL 0.01 to 0.5: 6 of 16
-    runs fell from 500 to 10-433 late in 1M steps. Small rewards stay as they are:
-    scaled up, the fixed entropy bonus weighs less, and RoleCall's smallest rewards
-    stopped at 2/3 of the optimum (benchmarks/RESULTS.md, "IMPALA's late collapse on
-    CartPole").
+    """IMPALA's hyperparameters; the defaults learn CartPole-v1 with T = 32 and 16 or 32 envs
+    per group (benchmarks/HISTORY.md, "IMPALA's late collapse on CartPole").
+
+    Fields left "by network" (0, or -1 for `vtrace_lambda`) take, with `use_lstm`, the
+    values that learn the whole memory suite with one setting (benchmarks/RESULTS.md, "The
+    memory suite"): 4 minibatches x 4 epochs per shard at learning rate 2.5e-4 (PPO's),
+    advantages standardized per minibatch, lambda 0.9; without it, one step per shard (the
+    paper's schedule) at 1e-3.
+
     The fields of `policy.ActorCriticOptions` (normalization, the Gaussian's std) come
-    first.
+    first. For a feed-forward agent with discrete actions `normalize_rewards` "auto" means
+    "down" (rewards divided by the running std of the discounted return where it exceeds 1:
+    on large returns the value's gradient would otherwise set the clipped step of the
+    policy, which then collapses late; small rewards are not scaled up against the fixed
+    entropy bonus), and "off" with `reward_clip`.
 
     Attributes:
       use_lstm: a resetting LSTM core between the torso and the heads (for partially
         observed envs); otherwise separate feed-forward policy and value MLPs.
       hidden_sizes: tanh layers of the MLPs (or of the torso before the LSTM).
       lstm_size: units of the LSTM core (only with use_lstm).
-      optimizer: "adam" (the default: one setting learns CartPole and cue recall; the
-        paper's RMSProp with eps 0.01 barely moved CartPole in 1M steps at lr 5e-4, its
-        eps being large next to these small gradients) or "rmsprop" (decay 0.99).
+      optimizer: "adam" (the default) or "rmsprop" (decay 0.99). The paper's RMSProp, with
+        its eps of 0.01, is large next to these small gradients and barely moves CartPole.
       learning_rate: the optimizer's step size. 0 (the default): by network, 2.5e-4 with
         use_lstm (16 steps per shard), 1e-3 otherwise (one step per shard).
       optimizer_eps: epsilon of Adam or RMSProp (the paper's RMSProp used 0.01).
       max_grad_norm: gradients are clipped to this global norm before the optimizer.
       discount: per-step discount gamma.
       rho_bar: clips the importance ratio in the V-trace targets (their fixed point).
-      c_bar: clips the trace coefficients of the V-trace targets (speed of contraction).
+      c_bar: clips the trace coefficients of the V-trace targets (speed of contraction);
+        at most rho_bar.
       pg_rho_bar: clips the importance ratio of the policy gradient advantages (the
         single step; several steps clip pi / mu at 1 +- ratio_clip instead).
       vtrace_lambda: scales the traces, c = lambda * min(c_bar, ratio); 1 in the paper.
@@ -95,25 +85,18 @@ class IMPALAConfig(policy.ActorCriticOptions):
       reward_clip: rewards are clipped to [-reward_clip, reward_clip] for learning; 0
         disables clipping (the paper clips Atari rewards to [-1, 1]).
       normalize_advantages: "auto" | "on" | "off": standardize the advantages within
-        each minibatch, as PPO does. "auto": on with several steps per shard, off for
-        one: with one unclipped step it made the shared-core LSTM agent collapse on
-        CartPole, as tiny advantages near the optimum become unit-sized ones
-        (benchmarks/RESULTS.md, "IMPALA and the reward scale").
+        each minibatch, as PPO does. "auto": on with several steps per shard, off with
+        one, where standardizing turns the tiny advantages near the optimum into
+        unit-sized ones (benchmarks/HISTORY.md, "IMPALA and the reward scale").
       num_minibatches: optimizer steps per pass over an update's shard, each on 1 /
-        num_minibatches of its env rows, split afresh at random for each pass as PPO
-        splits its segments (whole rows: an LSTM unrolls each from the state its actor
-        had; with `central_value`, whole envs). 0 (the default): by network, 4 with
-        use_lstm, 1 otherwise.
+        num_minibatches of its env rows, split afresh at random for each pass (whole
+        rows: an LSTM unrolls each from the state its actor had; with `central_value`,
+        whole envs). 0 (the default): by network, 4 with use_lstm, 1 otherwise.
       num_epochs: passes over each update's shard; 0 (the default): by network, 4 with
         use_lstm, 1 otherwise (the paper's single step). With more than one step per
-        shard the V-trace targets and advantages are computed once, as the shard
-        arrives (recomputed at each step they shrink as the value fits the shard), and
-        the policy maximizes PPO's clipped surrogate of pi / mu with them: the clip
-        bounds the drift from the policy that acted, lag included. Weighing V-trace's
-        own (rho-corrected) advantages by the drift since the shard arrived instead
-        left the lag unbounded: 4 x 4 steps scored 0.77 and 0.40 (advantages
-        standardized) on CartPoleNoVelocity-v1 (seed 0) where this objective scored
-        0.92, 1.00, 0.91 (seeds 0-2).
+        shard the V-trace targets and advantages are computed once, as the shard arrives,
+        and the policy maximizes PPO's clipped surrogate of pi / mu with them: the clip
+        bounds the drift from the policy that acted, lag included.
       ratio_clip: the clip of pi / mu (only with several steps per shard).
     """
 
@@ -139,38 +122,20 @@ class IMPALAConfig(policy.ActorCriticOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        sizes = self.hidden_sizes
-        if not isinstance(sizes, tuple) or not all(
-                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
-            raise ValueError(f"hidden_sizes must be a tuple of ints >= 1, got {sizes!r}")
-        if not isinstance(self.lstm_size, int) or isinstance(self.lstm_size, bool) \
-                or self.lstm_size < 1:
-            raise ValueError(f"lstm_size must be an int >= 1, got {self.lstm_size!r}")
-        if not self.learning_rate >= 0.0:
-            raise ValueError(f"learning_rate must be > 0 (or 0: by network), got "
-                             f"{self.learning_rate!r}")
-        if self.normalize_advantages not in policy.SWITCHES:
-            raise ValueError(f"normalize_advantages must be one of {policy.SWITCHES}, got "
-                             f"{self.normalize_advantages!r}")
-        for name in ("optimizer_eps", "max_grad_norm", "rho_bar", "c_bar",
-                     "pg_rho_bar", "ratio_clip"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not 0.0 <= self.discount <= 1.0:
-            raise ValueError(f"discount must be in [0, 1], got {self.discount!r}")
+        checks.one_of(self, "optimizer", OPTIMIZERS)
+        checks.sizes(self, "hidden_sizes")
+        checks.ints(self, "lstm_size")
+        checks.ints(self, "num_minibatches", "num_epochs", low=0,
+                    expected="an int >= 1 (or 0: by network)")
+        checks.one_of(self, "normalize_advantages", policy.SWITCHES)
+        checks.reals(self, "learning_rate", low=0.0, expected="> 0 (or 0: by network)")
+        checks.reals(self, "optimizer_eps", "max_grad_norm", "rho_bar", "c_bar", "pg_rho_bar",
+                     "ratio_clip", low=0.0, open_low=True)
+        checks.reals(self, "discount", low=0.0, high=1.0)
         if not (0.0 <= self.vtrace_lambda <= 1.0 or self.vtrace_lambda == -1.0):
             raise ValueError(f"vtrace_lambda must be in [0, 1], got {self.vtrace_lambda!r} "
                              "(or -1: by network)")
-        for name in ("num_minibatches", "num_epochs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 1 (or 0: by network), got "
-                                 f"{value!r}")
-        for name in ("baseline_cost", "entropy_cost", "reward_clip"):
-            if not getattr(self, name) >= 0.0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        checks.reals(self, "baseline_cost", "entropy_cost", "reward_clip", low=0.0)
         if self.c_bar > self.rho_bar:
             # The paper's analysis of V-trace assumes rho_bar >= c_bar (section 4.1).
             raise ValueError(

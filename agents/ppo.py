@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks, normalization, policy
+from agents.common import checks, networks, normalization, policy
 from agents.common.returns import action_mask, gae_advantages
 from sebulba.experience import segments
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
@@ -101,21 +101,12 @@ class PPOConfig(policy.ActorCriticOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        value = self.lstm_size
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"lstm_size must be an int >= 1, got {value!r}")
-        for name in ("num_epochs", "num_minibatches", "bptt_horizon", "num_segments",
-                     "prio_beta_anneal_updates"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        for name in ("discount", "gae_lambda", "prio_beta0"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if self.prio_alpha < 0.0:
-            raise ValueError(f"prio_alpha must be >= 0, got {self.prio_alpha!r}")
-        if self.clip_epsilon <= 0.0:
-            raise ValueError(f"clip_epsilon must be > 0, got {self.clip_epsilon!r}")
+        checks.ints(self, "lstm_size")
+        checks.ints(self, "num_epochs", "num_minibatches", "bptt_horizon", "num_segments",
+                    "prio_beta_anneal_updates", low=0)
+        checks.reals(self, "discount", "gae_lambda", "prio_beta0", low=0.0, high=1.0)
+        checks.reals(self, "prio_alpha", low=0.0)
+        checks.reals(self, "clip_epsilon", low=0.0, open_low=True)
 
     def for_actions(self, action_space: gym.Space) -> PPOConfig:
         """This config with the action-space defaults (the fields left at 0) filled in."""

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import optax
 
 import sebulba
-from agents.common import networks, normalization
+from agents.common import checks, networks, normalization
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
 from sebulba import target_network
@@ -80,18 +80,19 @@ from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 
 @dataclasses.dataclass(frozen=True)
 class R2D2Config:
-    """Hyperparameters. The defaults learn within 1M env steps on the memory suite
-    (benchmarks/RESULTS.md, "The memory suite"): the paper's sequences, value rescaling,
-    priorities and exploration; 3-step returns (Rainbow's n; the paper's 5 learnt
-    RepeatPrevious-v0 more slowly, 0.86 at 1M on seed 0); dueling streams with a torso
-    and an LSTM each, and rewards learnt in units of their running RMS (with both,
-    RepeatPrevious-v0 went from 0.44 to 0.91-0.94 on three seeds); a learner sized for
-    such budgets (two learner steps of 32 sequences per trajectory, a target copy every 100 learner
-    steps, learning from 500 sequences on, Adam at 5e-4 with epsilon 1e-6) where the
-    paper's (one step of 64, 2,500 steps, 1e-4, epsilon 1e-3) are sized for billions
-    of frames: with them 1M steps make 1,560 learner steps, none of which copies the
-    target. Frames get the paper's network (Nature CNN, a 512-cell LSTM, 512-unit
-    heads); vector observations a 128-wide one.
+    """R2D2's hyperparameters; the defaults learn the memory suite within 1M env steps
+    (benchmarks/RESULTS.md, "The memory suite").
+
+    They keep the paper's sequences, value rescaling, priorities and exploration. They
+    differ where the paper's are sized for billions of frames: 3-step returns (Rainbow's n;
+    the paper's 5 learn more slowly), dueling streams with a torso and an LSTM each,
+    rewards learnt in units of their running RMS, and a learner sized for about 1M steps
+    (two learner steps of 32 sequences per trajectory, a target copy every 100 learner
+    steps, learning from 500 sequences on, Adam at 5e-4 with epsilon 1e-6). With the
+    paper's learner (one step of 64, a copy every 2,500 steps, 1e-4, epsilon 1e-3), 1M
+    env steps make 1,560 learner steps, none of which copies the target. Frames get the
+    paper's network (Nature CNN, a 512-cell LSTM, 512-unit heads); vector observations a
+    128-wide one.
 
     Attributes:
       torso_sizes: ReLU layers applied to vector observations (frames go through the
@@ -116,9 +117,8 @@ class R2D2Config:
         target network.
       learning_rate: Adam step size.
       adam_eps: Adam's epsilon. 1e-6, not the paper's 1e-3: with small rewards (1/50 a
-        step) the gradients' scale falls below 1e-3 and Adam's steps shrink with it; on
-        RepeatFirst-v0 at 300k steps the paper's learner scored 0.445 with 1e-6 and
-        chance (0.248) with 1e-3 (benchmarks/RESULTS.md, "The memory suite").
+        step) the gradients' scale falls below 1e-3 and Adam's steps shrink with it
+        (benchmarks/RESULTS.md, "The memory suite").
       max_grad_norm: gradients are clipped to this global norm; 0 turns clipping off.
       batch_size: sequences each learner device samples per learner step.
       replay_capacity: sequences each learner device's replay holds.
@@ -132,16 +132,12 @@ class R2D2Config:
       epsilon_alpha: env i of N explores with epsilon_base^(1 + epsilon_alpha i / (N - 1)).
       shared_core: with an LSTM, the dueling head's value and advantage streams share
         one torso and one LSTM. False (the default): each has its own of the same sizes,
-        so that the value, which must track the return still to come (counting the
-        steps an episode has left), does not reshape the memory the advantages need, as
-        for PPO's value (`policy.ActorCriticOptions.shared_core`). Frames always share
-        one Nature CNN and LSTM.
+        so that the value, which tracks the return still to come, does not reshape the
+        memory the advantages need. Frames always share one Nature CNN and LSTM.
       normalize_rewards: rewards are divided, for learning only, by the running root
-        mean square of the rewards received (the learner keeps its moments in the
-        experience; 1 before any), so that a task paying 1/46 a step is learnt like one
-        paying 1: with the rewards as they come, Adam's steps move Q by more than such an
-        action gap, and R2D2 stalled at half the optimum of RepeatPrevious-v0. Rewards of
-        1 a step (CartPole) are unchanged. Acting is unaffected (argmax is
+        mean square of the rewards received (kept in the experience; 1 before any), so
+        that a task paying 1/46 a step is learnt like one paying 1 (raw, Adam's steps
+        move Q by more than such an action gap). Acting is unaffected (argmax is
         scale-free).
     """
 
@@ -173,17 +169,10 @@ class R2D2Config:
     normalize_rewards: bool = True
 
     def __post_init__(self):
-        _check_int("lstm_size", self.lstm_size, low=0)
-        for name in ("sequence_length", "n_step", "target_update_period",
-                     "batch_size", "replay_capacity", "min_replay_size",
-                     "updates_per_trajectory"):
-            _check_int(name, getattr(self, name), low=1)
-        for name in ("sequence_overlap", "burn_in"):
-            _check_int(name, getattr(self, name), low=0)
-        for name in ("torso_sizes", "head_sizes"):
-            sizes = getattr(self, name)
-            if not all(isinstance(s, int) and s >= 1 for s in sizes):
-                raise ValueError(f"{name} must be ints >= 1, got {sizes!r}")
+        checks.ints(self, "lstm_size", "sequence_overlap", "burn_in", low=0)
+        checks.ints(self, "sequence_length", "n_step", "target_update_period", "batch_size",
+                    "replay_capacity", "min_replay_size", "updates_per_trajectory")
+        checks.sizes(self, "torso_sizes", "head_sizes")
         if self.sequence_overlap >= self.sequence_length:
             raise ValueError(
                 f"sequence_overlap={self.sequence_overlap} must be < sequence_length="
@@ -200,18 +189,12 @@ class R2D2Config:
             raise ValueError(
                 f"min_replay_size={self.min_replay_size} must be <= replay_capacity="
                 f"{self.replay_capacity}, or learning never starts")
-        for name in ("discount", "importance_exponent", "priority_eta"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if not 0.0 < self.epsilon_base <= 1.0:
-            raise ValueError(f"epsilon_base must be in (0, 1], got {self.epsilon_base!r}")
-        for name in ("priority_exponent", "epsilon_alpha", "value_rescaling_eps",
-                     "max_grad_norm"):
-            if getattr(self, name) < 0.0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("learning_rate", "adam_eps"):
-            if getattr(self, name) <= 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        checks.reals(self, "discount", "importance_exponent", "priority_eta", low=0.0,
+                     high=1.0)
+        checks.reals(self, "epsilon_base", low=0.0, high=1.0, open_low=True)
+        checks.reals(self, "priority_exponent", "epsilon_alpha", "value_rescaling_eps",
+                     "max_grad_norm", low=0.0)
+        checks.reals(self, "learning_rate", "adam_eps", low=0.0, open_low=True)
 
     def resolved(self, observation_space: gym.Space) -> R2D2Config:
         """This config with the sizes left to the observation filled in (`lstm_size` 0,
@@ -225,11 +208,6 @@ class R2D2Config:
     def sequence_period(self) -> int:
         """Steps between the starts of consecutive sequences of an env (must be T)."""
         return self.sequence_length - self.sequence_overlap
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 # Networks.
@@ -606,9 +584,11 @@ def n_step_returns(reward: jax.Array, bootstrap: jax.Array, terminated: jax.Arra
     Args:
       reward: [M + 1] float, reward[t] follows the action at t - 1.
       bootstrap: [M + 1] float, value of each step's observation (raw scale).
-      terminated, truncated: [M + 1] bool.
+      terminated: [M + 1] bool.
+      truncated: [M + 1] bool.
       discount: scalar in [0, 1].
       n: steps, >= 1 (static).
+
     Returns:
       [M] float32 returns for t = 0..M-1 (meaningless where `action_mask` is 0).
     """

@@ -53,9 +53,9 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: SPGConfig = SPGConfig()):
         super().__init__(env_spec)
         self.config = config
-        # Separate tanh MLPs for policy and baseline. On CartPole-v1 one shared ReLU torso
-        # with policy and value heads learned slowly and often collapsed to a
-        # deterministic policy (returns ~10); separate ReLU MLPs swung between ~400 and ~50.
+        # Separate tanh MLPs for policy and baseline: on CartPole-v1 a shared ReLU torso
+        # learns slowly and can collapse to a deterministic policy, and separate ReLU
+        # MLPs swing widely.
         self.network = networks.actor_critic(
             env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
             config.lstm_size)

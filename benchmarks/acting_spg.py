@@ -1,5 +1,7 @@
-"""Seed 002's configuration, acting only: simple policy gradient with five hidden layers
-of 200, CartPole-v1, 16 envs per env group, 20 inference cycles of 100 steps per group.
+"""The 5x200 SPG acting benchmark on CartPole: the simple policy gradient agent with five
+hidden layers of 200 acting (no learning) on CartPole-v1, 16 envs per env group, 20
+inference cycles of 100 steps per group.
+
 Steps/second of the Sebulba loop for each async_factor and vectorization, next to its
 bound: the slower of env-only throughput (the bare vector env stepping random actions)
 and inference-only throughput (one jitted `agent.step` on the group's observations with
@@ -13,9 +15,9 @@ Records (JSON lines): meta, then per repeat env_only, inference_only and one seb
 record per configuration (repeats interleave, so a change of machine load hits every
 configuration alike), then one summary per configuration with the medians.
 
-    python -m benchmarks.seed002
-    python -m benchmarks.seed002 --envs_per_group=8,16,32 --vectorizations=sync
-    python -m benchmarks.seed002 --vectorizations=sync,envpool   # issue 14's comparison
+    python -m benchmarks.acting_spg
+    python -m benchmarks.acting_spg --envs_per_group=8,16,32 --vectorizations=sync
+    python -m benchmarks.acting_spg --vectorizations=sync,envpool   # sync against EnvPool
 
 With "envpool" (extra `envpool`) each inference device drives one pool of async_factor
 groups from one thread, recv returning whichever group's envs are ready; its env-only
@@ -45,11 +47,13 @@ from benchmarks._util import (
 )
 
 ENV_ID = "CartPole-v1"
-TARGET_STEPS_PER_SECOND = 15_000  # for sync envs; async ones alone are slower (RESULTS.md)
+# For sync envs; async ones alone are slower (benchmarks/RESULTS.md, "Async versus sync
+# vectorization").
+TARGET_STEPS_PER_SECOND = 15_000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.seed002", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.acting_spg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--envs_per_group", type=int_list, default=[16])
     p.add_argument("--async_factors", type=int_list, default=[1, 2])
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     from sebulba.envs.gymnasium_source import make_vector_env
 
     started = time.perf_counter()
-    emit(meta("seed002", vars(args)))
+    emit(meta("acting_spg", vars(args)))
     agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
     vector_steps = args.cycles * args.steps_per_cycle
     loops = {

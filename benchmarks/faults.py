@@ -1,4 +1,4 @@
-"""The fault matrix (issue 10, part 7): each fault injected into `--repeats` independent
+"""The fault matrix: each fault injected into `--repeats` independent
 short runs; per fault, how many runs ended within 10 s of it with the original error
 visible, how many processes they left behind, and whether the accounting identity held.
 

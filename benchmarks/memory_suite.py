@@ -1,5 +1,5 @@
 """The memory suite: every recurrent agent with its defaults on the memory tasks, and its
-feed-forward twin beside it, for several seeds (issue 13).
+feed-forward twin beside it, for several seeds.
 
 An agent runs with its default config (only `use_lstm` set; the launcher's defaults for
 the loop, and R2D2's sequence period as steps_per_cycle, which it requires). A score is

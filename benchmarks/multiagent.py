@@ -1,5 +1,5 @@
-"""Seed 000's pattern with K agents per env, scaled to this machine: MPE2's
-`simple_spread_v3` (3 agents), env groups alternating (async_factor 1 and 2), acting only
+"""Env groups alternating on one inference device, with K agents per env, scaled to this
+machine: MPE2's `simple_spread_v3` (3 agents), async_factor 1 and 2, acting only
 with PPO's default network. Steps/second are given in agent steps (rows: what the
 learner consumes) and env steps (agent steps / K), each next to its bound: the slower of
 env-only throughput (the groups' PettingZoo envs stepped through the env source on

@@ -1,13 +1,14 @@
 """Double buffering: env groups of an env whose step takes a fixed 2 ms of wall time in
 its worker (async vectorization). When the env dominates, async_factor 2 (two groups,
 one inferring while the other waits on its workers) should nearly double the
-steps/second of async_factor 1; issue 14 asks 1.9x. Acting only, with the simple policy
+steps/second of async_factor 1; the target is 1.9x. Acting only, with the simple policy
 gradient agent's own network (two layers of 64).
 
 What the machine allows, measured beside it: the bare vector envs alone, one group, and
 two groups stepped at once by two threads with no inference at all. Their ratio is what
 the envs themselves reach together: on 2 cores the 16 worker processes of two groups of
-8 already step each other's envs slower (1.90x to 1.95x, RESULTS.md).
+8 already step each other's envs slower (1.90x to 1.95x: benchmarks/RESULTS.md, "Overlap:
+an env whose step takes 2 ms").
 
 Records (JSON lines), for each number of envs per group and each of `--repeats` rounds:
 env_only for one and for two groups, then one sebulba record per async_factor; then the
@@ -28,7 +29,7 @@ import numpy as np
 
 from benchmarks._util import emit, env_only, int_list, measure, median, meta, ratio
 
-TARGET_RATIO = 1.9  # issue 14
+TARGET_RATIO = 1.9  # async_factor 2's steps/second over async_factor 1's
 
 
 class SleepEnv(gym.Env):

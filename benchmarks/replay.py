@@ -1,4 +1,4 @@
-"""Replay costs: the sum tree's O(B log C) against the old O(C) sampling.
+"""Replay costs: the sum tree's O(B log C) against O(C) sampling over every row.
 
 For each capacity C (full replays; an item is an int32 id and a float32 vector), times
 jitted calls with batch B, after warm-up, one call at a time (dispatch included, result
@@ -8,7 +8,7 @@ waited for), and reports the median and the 10th / 90th percentiles in microseco
   - sample_uniform: `replay.sample_uniform`.
   - update_priorities, insert: with the replay donated, as the framework's learner does
     (without donation XLA copies the written arrays, an O(C) memcpy per call).
-  - old_choice: the previous method, P(i) over all C rows then `jax.random.choice(p=P)`.
+  - old_choice: the O(C) baseline, P(i) over all C rows then `jax.random.choice(p=P)`.
   - old_searchsorted: P(i) over all C rows, cumsum, then `searchsorted` of B uniforms.
 
 Records are JSON lines: a meta record, one per (capacity, operation), then a summary with
@@ -80,7 +80,7 @@ def full_replay(capacity: int, vector_size: int, alpha: float, seed: int):
 
 
 def old_sample(replay, key, batch_size: int, alpha: float, beta: float, method: str):
-    """The O(C) sampling this module had: P(i) over all rows, then one of two draws."""
+    """The O(C) baseline: P(i) over all rows, then one of two draws."""
     import jax
     import jax.numpy as jnp
 

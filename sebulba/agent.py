@@ -152,6 +152,7 @@ class Agent(abc.ABC):
           step_state: per-env leaves [E, ...].
           nets: what the learner published, `acting_nets(nets, learner_updates)`.
           env_step: leaves [E, ...]; `first` marks where recurrent state must reset.
+
         Returns:
           (ActorOutput with leaves [E, ...], the next StepState).
         """

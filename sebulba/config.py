@@ -25,61 +25,54 @@ DEFAULT_ACTION_POLL_S = 0.0005
 class Config:
     """What a run collects from, and where it acts and learns.
 
+    Everything is checked at construction; a bad value is a ValueError naming it.
+
     Attributes:
-      env: a `gymnasium.make_vec` id, or a factory returning one gymnasium.Env.
+      env: a `gymnasium.make_vec` id (`module:Id` imports the module that registers it),
+        or a factory returning one gymnasium.Env; what the vectorization's source makes.
       env_kwargs: keyword arguments for the env.
       env_wrappers: gymnasium wrappers around each env, innermost first, by name with
-        literal arguments: "FlattenObservation,FrameStackObservation(stack_size=4)" or a
-        sequence of such names (from Python also env -> env callables). Needs
-        vectorization "sync" or "async".
-      envs_per_group: envs in each env group (the vector env of one inferencer thread).
-        Each group's trajectory is split along the env axis over the learner devices,
-        so it must be divisible by their number.
-      vectorization: "sync" (in-thread), "async" (one subprocess per env), "envpool" (an
-        EnvPool task id: one pool of async_factor groups per inference device, stepped in
-        EnvPool's C++ threads; extra `envpool`), "vector_entry_point" (the env's own
-        vectorized implementation, ids only) or "pettingzoo" (multi-agent: `env` is a
-        PettingZoo env module such as "mpe2.simple_spread_v3", or a factory of a
-        ParallelEnv; each env's K agents are K rows, see `sebulba.envs.pettingzoo_source`; extra
-        `multiagent`).
+        literal arguments ("FlattenObservation,FrameStackObservation(stack_size=4)"), a
+        sequence of such names, or env -> env callables. Needs a vectorization that
+        makes each env itself ("sync", "async").
+      envs_per_group: envs in each env group (the envs of one inferencer thread's cycle).
+        Divisible by the number of learner devices: each trajectory is split over them.
+      vectorization: the env source kind, a name in `sebulba.envs.registry`: "sync"
+        (envs stepped in the inferencer thread), "async" (a worker process per env),
+        "vector_entry_point" (the id's own vector env), "envpool" (one EnvPool of
+        `async_factor` groups per inference device, extra `envpool`) or "pettingzoo"
+        (K agents per env as K rows, extra `multiagent`); or one registered by the user.
       agent_ids: multi-agent envs: append a one-hot of the agent's index to its (flat)
         observation, so that one shared policy can act differently per agent.
-      async_factor: env groups (threads) per inference device; 2 = double buffering.
-      steps_per_cycle: env steps per inference cycle (trajectory length T).
+      async_factor: env groups per inference device; 2 = double buffering.
+      steps_per_cycle: env steps per inference cycle (the trajectory length T).
       inference_devices: local device indices (or local devices) that run `Agent.step`.
       learner_devices: local device indices (or local devices) the learner feeds from this
-        process. With several processes the learner spans these indices of every
-        process. Both default to the first local device.
-      queue_capacity: trajectories the global queue holds; 0 means one per env group.
-      trajectories_per_update: trajectories (queue items: one env group's inference
-        cycle each, from any groups, in queue order) the learner joins along the env
-        axis for one update; 1 learns from each trajectory as it arrives. Any value
-        works with any queue_capacity: the learner pops items one at a time.
+        process; with several processes, these indices of every process. Both default
+        to the first local device.
+      queue_capacity: trajectories the global queue holds; 0: one per env group.
+      trajectories_per_update: trajectories (queue items, from any groups, in queue
+        order) the learner joins along the env axis for one update; 1 learns from each
+        as it arrives. Any value works with any queue_capacity.
       drop_when_full: drop the oldest queued trajectory instead of waiting for the
         learner (backpressure) when the queue is full. Drops are counted.
       check_finite: raise if the learner's loss is NaN or infinite.
-      async_context: multiprocessing start method for "async" vectorization.
-      shutdown_timeout_s: how long stopping waits for a thread before giving up on it.
-      action_poll_s: how long an inferencer thread polls for an acting call's actions
-        before it sleeps on them. Waking a sleeping thread costs tens of microseconds
-        (on a 2-core VM: sync CartPole with one group 53k -> 61k steps/s with 0.5 ms,
-        benchmarks/RESULTS.md); polling holds a core and the GIL meanwhile, so 0 suits
-        many inferencer threads per core. None: 0.5 ms, except 0 with vectorization
-        "async", whose env worker processes need the cores a polling thread holds
-        (`Config.action_poll_seconds`).
+      async_context: multiprocessing start method of env worker processes.
+      shutdown_timeout_s: seconds stopping waits for a thread before giving up on it.
+      action_poll_s: seconds an inferencer thread polls for an acting call's actions
+        before it sleeps on them: waking a thread costs tens of microseconds, polling
+        holds a core and the GIL. 0 suits many inferencer threads per core. None: 0.5 ms,
+        or 0 where envs step in worker processes, which need those cores.
       seed: seeds the networks, the agent state and the envs.
       desync_episodes: truncate each env's first episode at a length drawn uniformly from
         1 to the env's episode step limit, so that envs that start together do not stay
-        in the same episode phase (seed 001's "no temporal diversity"). Needs a time
-        limit (a registered `max_episode_steps` or a `TimeLimit` wrapper) and per-env
-        vectorization ("sync" or "async").
-      lockstep: acting waits for the learner: every inference cycle acts with the
-        networks learnt from all trajectories before it (policy lag 0), so a run on
-        deterministic envs repeats bit for bit, and so does a run resumed from a
-        checkpoint. Acting and learning no longer overlap: for reproducing and
-        debugging, not for speed. Needs one env group per process (async_factor 1,
-        one inference device) and a vectorization that steps envs in order (not
-        "envpool"), so that trajectories reach the learner in a fixed order.
+        in the same phase of their episodes. Needs a time limit (a registered
+        `max_episode_steps` or a `TimeLimit` wrapper) and a vectorization that makes
+        each env itself.
+      lockstep: acting waits for the learner: every cycle acts with the networks learnt
+        from all trajectories before it (policy lag 0), so a run on deterministic envs
+        repeats bit for bit, resumed or not. For reproducing and debugging, not speed:
+        needs one env group per process and envs stepped in order.
     """
 
     env: str | EnvFactory = "CartPole-v1"
@@ -154,7 +147,7 @@ class Config:
     def env_spec(self) -> EnvSpec:
         """The spec of this run's env, as the loop checks the agent's against."""
         return registry.env_spec(self.env, self.env_kwargs, self.vectorization,
-                                 self.agent_ids, self.env_wrappers)
+                                 self.agent_ids, self.env_wrappers, self.desync_episodes)
 
     def source_request(self, num_groups: int, seed: int) -> registry.SourceRequest:
         """What the loop asks this run's env source kind for: `num_groups` groups from
@@ -196,10 +189,9 @@ class Config:
 
     @property
     def action_poll_seconds(self) -> float:
-        """`action_poll_s`, None resolved. Subprocess env workers ("async") lose more to
-        a polling thread than it gains: on 2 cores, CartPole with two groups 11.0k steps/s
-        polling against 11.9k without, a 2 ms env 1-6% slower polling
-        (benchmarks/RESULTS.md, 2026-11-25)."""
+        """`action_poll_s`, None resolved: env worker processes lose more to a polling
+        thread than it gains (benchmarks/HISTORY.md, "Async versus sync vectorization on
+        2 cores")."""
         if self.action_poll_s is not None:
             return self.action_poll_s
         env_processes = registry.get(self.vectorization).env_processes

@@ -2,8 +2,8 @@
 with batches that mix groups and envs that drift apart in their cycles: each env's steps
 still land in its own trajectory row, in order, with the step states they started and
 ended from. Whether EnvPool's batches mix groups depends on how the first resets finish
-(most batches did on 2026-11-23, none in the runs of 2026-11-25), so this scripted source
-makes sure the by-id loop's general path is exercised."""
+(in some runs most batches do, in others none), so this scripted source makes sure the
+by-id loop's general path is exercised."""
 
 from __future__ import annotations
 

@@ -301,9 +301,8 @@ class MatchPattern(gym.Env):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("agent_class", [PPO, IMPALA])
 def test_multi_discrete_actions_are_learnt(agent_class, no_leftovers):
-    # Measured last-10% means at 60k steps, seeds 0, 1, 2: PPO 8.86, 8.73, 9.00; IMPALA
-    # 8.09, 7.87, 8.27 with raw rewards, 8.15, 7.86, 8.29 with large returns scaled down
-    # (its default since 2026-11-26) (optimum 10, uniformly random 3.3).
+    # Last-10% means at 60k steps: PPO near 8.7-9.0, IMPALA near 7.9-8.3 (optimum 10,
+    # uniformly random 3.3).
     config = sebulba.Config(env=MatchPattern, envs_per_group=16, steps_per_cycle=16,
                             async_factor=1, vectorization="sync", seed=0)
     agent_config = PPOConfig() if agent_class is PPO else IMPALAConfig()
@@ -317,8 +316,8 @@ def test_multi_discrete_actions_are_learnt(agent_class, no_leftovers):
 @pytest.mark.skipif(not HAS_MUJOCO, reason="needs the mujoco extra (gymnasium[mujoco])")
 @pytest.mark.timeout(600)
 def test_ppo_balances_inverted_pendulum_with_its_defaults(no_leftovers):
-    # Measured last-10% means at 300k steps, Config's and PPO's defaults: 1000 (seeds 0, 1,
-    # 2; 45 s each on 2 cores).
+    # With Config's and PPO's defaults the last-10% mean at 300k steps is 1000, the
+    # maximum; 45 s on 2 cores.
     env = "InvertedPendulum-v5"
     config = sebulba.Config(env=env, seed=0)
     result = sebulba.Sebulba(PPO(sebulba.env_spec(env)), config).run(300_000)
@@ -329,10 +328,8 @@ def test_ppo_balances_inverted_pendulum_with_its_defaults(no_leftovers):
 @pytest.mark.timeout(900)
 def test_lstm_ppo_swings_up_a_pendulum_it_sees_only_the_angle_of(no_leftovers):
     # Pendulum-v1 observing [cos, sin] of the angle only: the velocity must be remembered.
-    # Measured last-10% means at 500k steps (seeds 0, 1, 2), PPO's earlier 4 x 4 Box
-    # defaults: feed-forward -1069, -1111, -1081; LSTM -319, -414, -286; with the velocity,
-    # feed-forward -174 (seed 0). With the 10 x 8 Box defaults (seeds 0, 1): feed-forward
-    # -1086, -1073; LSTM -413, -277.
+    # Last-10% means at 500k steps with PPO's Box defaults: feed-forward near -1,080, LSTM
+    # between -410 and -280; with the velocity observed, feed-forward near -170.
     from sebulba.envs import suite
 
     env = suite.PENDULUM_NO_VELOCITY
@@ -349,9 +346,9 @@ def test_lstm_ppo_swings_up_a_pendulum_it_sees_only_the_angle_of(no_leftovers):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("agent_class,seed", [(PPO, 1), (PPO, 2), (IMPALA, 0)])
 def test_inverted_pendulum_on_more_seeds_and_agents(agent_class, seed, no_leftovers):
-    # Measured last-10% means at 300k steps with the defaults (2026-11-23, Box defaults of
-    # 10 x 8 epochs x minibatches, no Gaussian entropy bonus): PPO 1000 (seeds 1, 2; seed
-    # 0 is the default suite's test), IMPALA 1000 (seed 0).
+    # With the defaults (for Box actions 10 x 8 epochs x minibatches, no Gaussian entropy
+    # bonus) both agents reach 1000, the maximum, at 300k steps (PPO's seed 0 is the
+    # default suite's test).
     env = "InvertedPendulum-v5"
     result = sebulba.Sebulba(agent_class(sebulba.env_spec(env)),
                              sebulba.Config(env=env, seed=seed)).run(300_000)
@@ -364,11 +361,11 @@ def test_inverted_pendulum_on_more_seeds_and_agents(agent_class, seed, no_leftov
 @pytest.mark.parametrize("agent_class,steps,bar", [(PPO, 1_000_000, 1500),
                                                    (IMPALA, 2_000_000, 1000)])
 def test_half_cheetah_with_the_defaults_over_three_seeds(agent_class, steps, bar, no_leftovers):
-    """Issue 11's bars, on the mean over seeds 0, 1, 2 of the last-10% mean return: PPO
-    >= 1,500 within 1M steps, IMPALA >= 1,000 within 2M. Measured 2026-11-23 (2 cores,
-    alone): PPO 1,613, 3,216, 1,595 (mean 2,141; 5k steps/s); IMPALA 3,466, 947, 1,083
-    (mean 1,832; 9k steps/s). HalfCheetah's seeds differ widely (a run that learns to
-    run on its back scores twice the others), so each seed only has to reach half the bar.
+    """The bars, on the mean over seeds 0, 1, 2 of the last-10% mean return: PPO >= 1,500
+    within 1M steps, IMPALA >= 1,000 within 2M. On 2 cores alone the means are about 2,100
+    (PPO, 5k steps/s) and 1,800 (IMPALA, 9k steps/s). HalfCheetah's seeds differ widely (a
+    run that learns to run on its back scores twice the others), so each seed only has to
+    reach half the bar.
     """
     env = "HalfCheetah-v5"
     returns = []

@@ -135,6 +135,24 @@ def test_config_asks_the_registry(sign_kind):
         sebulba.Config(env="sign", vectorization="test_sign")
 
 
+class InOrderSignSource(SignSource):
+    in_order = True  # wrongly: its recv returns one group at a time
+
+
+@pytest.mark.timeout(60)
+def test_a_source_of_several_groups_in_order_is_refused(no_leftovers):
+    kind = EnvSourceKind("test_in_order", lambda r: [InOrderSignSource(2, r.group_size, 0)],
+                         SIGN.env_spec, check_sign_env)
+    registry.register(kind)
+    try:
+        config = sebulba.Config(env="sign", vectorization="test_in_order", envs_per_group=4)
+        loop = sebulba.Sebulba(SPG(config.env_spec(), SPGConfig(hidden_sizes=(8,))), config)
+        with pytest.raises(ValueError, match="holds one group"):
+            loop.run(1_000)
+    finally:
+        registry.unregister(kind.name)
+
+
 @pytest.mark.timeout(60)
 def test_the_shipped_kinds_say_what_they_support():
     assert registry.names()[:5] == ("sync", "async", "vector_entry_point", "envpool",

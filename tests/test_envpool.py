@@ -140,7 +140,7 @@ def test_bad_envpool_input_is_refused_by_name():
 def test_spg_learns_cartpole_on_envpool(no_leftovers):
     """SPG's CartPole test (tests/test_spg_learning.py) with the envs in an EnvPool.
 
-    Measured last-10% means at 400k: 270, 453, 447 (seeds 0, 1, 2), 17-23 s on 2 cores."""
+    Last-10% means at 400k: between 270 and 453 over three seeds; 17-23 s on 2 cores."""
     config = sebulba.Config(env="CartPole-v1", vectorization="envpool", envs_per_group=16,
                             steps_per_cycle=64, async_factor=2, seed=0)
     agent = SPG(sebulba.env_spec("CartPole-v1", vectorization="envpool"), SPGConfig())
@@ -153,8 +153,8 @@ def test_spg_learns_cartpole_on_envpool(no_leftovers):
 def test_ppo_learns_cartpole_on_envpool(no_leftovers):
     """PPO's default CartPole test (tests/test_ppo_learning.py) with the envs in an EnvPool.
 
-    Measured last-10% means at 100k: 288, 188, 267 (seeds 0, 1, 2; sync envs: 304, 188,
-    246), 8-9 s on 2 cores."""
+    Last-10% means at 100k: between 188 and 288 over three seeds, as with sync envs;
+    8-9 s on 2 cores."""
     config = sebulba.Config(env="CartPole-v1", vectorization="envpool", envs_per_group=16,
                             steps_per_cycle=32, async_factor=2, seed=0)
     agent = PPO(sebulba.env_spec("CartPole-v1", vectorization="envpool"))
@@ -208,7 +208,7 @@ def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
 @pytest.mark.timeout(300)
 def test_ppo_balances_envpools_mujoco_inverted_pendulum(no_leftovers):
     # EnvPool's MuJoCo ids: float64 observations and actions (converted at the source),
-    # a Gaussian policy. Measured last-10% mean at 150k steps: 1000 (seed 0, the maximum).
+    # a Gaussian policy. The last-10% mean at 150k steps is 1000, the maximum.
     env = "InvertedPendulum-v5"
     config = sebulba.Config(env=env, vectorization="envpool", seed=0)
     agent = PPO(sebulba.env_spec(env, vectorization="envpool"))

@@ -1,6 +1,6 @@
 """IMPALA learns in the real Sebulba loop, with policy lag ~2 corrected by V-trace.
 
-Issue 3: ">= 300 within 1M steps" on CartPole-v1, and an LSTM variant that clears a
+The bars: >= 300 within 1M steps on CartPole-v1, and an LSTM variant that clears a
 threshold on a memory task that the feed-forward agent provably cannot. Measured with
 `RunResult.mean_return(0.9, 1.0)`, the mean return of episodes in the last 10% of steps.
 """
@@ -29,12 +29,11 @@ def train(env: str, total_env_steps: int, seed: int, agent_config: IMPALAConfig,
 
 @pytest.mark.timeout(600)
 def test_impala_solves_cartpole_in_1m_steps(no_leftovers):
-    # A uniformly random policy scores ~22. With raw rewards 6 of 16 runs (32 envs per
-    # group, 1M steps) fell from 500 late, to 10-433: the value's large errors on raw
-    # returns set how far the clipped global norm shrank the policy's steps. With large
-    # returns scaled down (the default since 2026-11-26) 8 of 8 ended at 488-498, and 16
-    # of 16 scaled both ways at 489-497; ~20 s each on 2 cores (benchmarks/RESULTS.md,
-    # "IMPALA's late collapse on CartPole"). One seed.
+    # A uniformly random policy scores ~22. With large returns scaled down (the default)
+    # runs of 1M steps at 32 envs per group end near 490; with raw rewards some fall from
+    # 500 late, as the value's large errors set how far the clipped global norm shrinks
+    # the policy's steps. ~20 s on 2 cores (benchmarks/RESULTS.md, "IMPALA's late
+    # collapse on CartPole"). One seed.
     r = train("CartPole-v1", 1_000_000, seed=0, agent_config=IMPALAConfig(), envs_per_group=32)
     assert r.mean_return(0.9, 1.0) >= 300, r.summary()
 
@@ -46,10 +45,8 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     # shown, so a feed-forward policy's answer is independent of the cue and is right
     # with probability 1/2 whatever it learns: its expected return is exactly 0.5 (the
     # last 10% of 120k steps holds ~1,500 episodes: a standard error of ~0.013). The LSTM
-    # must carry the cue over 6 steps.
-    # Measured last-10% means at 120k, LSTM (2026-11-25's defaults, 4 x 4 steps per
-    # shard): 0.999, 1.0, 0.999; feed-forward: 0.492, 0.484, 0.504 (seeds 0, 1, 2);
-    # ~20-80 s per run on 2 shared cores.
+    # must carry the cue over 6 steps. At 120k steps the LSTM's last-10% mean is near
+    # 1.0 and the feed-forward agent's near 0.5; ~20-80 s per run on 2 shared cores.
     env, kwargs = suite.CUE_RECALL, {"num_cues": 2, "delay": 5}
     lstm = train(env, 120_000, seed=0, env_kwargs=kwargs,
                  agent_config=IMPALAConfig(use_lstm=True, hidden_sizes=(64,)))
@@ -61,11 +58,10 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
 @pytest.mark.timeout(400)
 def test_the_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     # RepeatFirst: name the symbol shown at step 0 at each of 50 steps, 1/50 a step;
-    # without memory the best is 0.265 (feed-forward IMPALA: 0.268 at 1M). With the LSTM
-    # defaults (a value torso and LSTM of its own, rewards scaled, lambda 0.9, PPO's 4 x 4
-    # schedule), measured 2026-11-25 at 1M steps: 0.999, 1.0 (seeds 0, 1), 0.98-0.99 of
-    # the optimum from 100k on. With the old shared core and raw rewards it stayed at
-    # chance, its entropy at the maximum. 150k steps: ~1 min on 2 cores.
+    # without memory the best is 0.265. With the LSTM defaults (a value torso and LSTM of
+    # its own, rewards scaled, lambda 0.9, PPO's 4 x 4 schedule) IMPALA is at 0.98-0.99 of
+    # the optimum from 100k steps on; a shared core with raw rewards stays at chance, its
+    # entropy at the maximum. 150k steps: ~1 min on 2 cores.
     result = train(suite.REPEAT_FIRST, 150_000, seed=0,
                    agent_config=IMPALAConfig(use_lstm=True))
     assert result.mean_return(0.9, 1.0) >= 0.8, result.summary()
@@ -75,9 +71,9 @@ def test_the_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
 @pytest.mark.timeout(1200)
 def test_the_lstm_defaults_recall_the_symbol_shown_four_steps_back(no_leftovers):
     # RepeatPrevious (k = 4): at each step name the symbol shown 4 steps earlier, 1/46 a
-    # step; chance 0.25. The paper's single step per trajectory stayed at 0.45-0.49
-    # (seeds 0-2, recalling one bit of two); the LSTM defaults' 4 x 4 steps with PPO's
-    # clipped pi / mu scored 0.99, 0.988 (seeds 0, 1) at 1M, at 0.8 from ~600k.
+    # step; chance 0.25. The paper's single step per trajectory stays at 0.45-0.49
+    # (recalling one bit of two); the LSTM defaults' 4 x 4 steps with PPO's clipped
+    # pi / mu reach 0.99 at 1M, and 0.8 from ~600k.
     result = train(suite.REPEAT_PREVIOUS, 1_000_000, seed=0,
                    agent_config=IMPALAConfig(use_lstm=True))
     assert result.mean_return(0.9, 1.0) >= 0.8, result.summary()

@@ -205,10 +205,9 @@ def role_call_return(agent_cls, config, steps, agent_ids, seed=0) -> float:
 # RoleCall's reward is half the team's (local_ratio 0.5), so an agent's advantage also
 # carries the other agents' answers. With PPO's defaults a shared policy then sometimes
 # settles one (symbol, agent) pair on a wrong answer and never samples the right one
-# again: 0.889 and 0.776 (seeds 0, 1, entropy 0.05, 500k agent steps, measured
-# 2026-11-24; such runs are repeatable to 0.001 on an idle machine, and reached 1.0 under
-# other load). A larger step size learns the roles before any pair settles: seeds 0-3
-# reached >= 0.99 by 300k with entropy 0.05 and learning rate 1e-3 (RESULTS.md).
+# again, ending near 0.8-0.9 at 500k agent steps. A larger step size learns the roles
+# before any pair settles: >= 0.99 by 300k with entropy 0.05 and learning rate 1e-3
+# (benchmarks/RESULTS.md, "Multi-agent").
 ROLE_PPO = PPOConfig(entropy_cost=0.05, learning_rate=1e-3)
 
 
@@ -217,7 +216,7 @@ def test_shared_policy_ppo_learns_distinct_roles_only_when_it_sees_agent_ids(no_
     """One policy for three cooperating agents that must answer differently (RoleCall:
     optimum 1.0, chance 1/3). With agent ids >= 0.9 within 300k agent steps; without, the
     shared policy cannot tell the agents apart, and whatever it answers for a symbol the
-    three agents are right 1/3 of the time together (measured 0.337 at 300k)."""
+    three agents are right 1/3 of the time together (about 0.337 at 300k)."""
     with_ids = role_call_return(PPO, ROLE_PPO, 300_000, agent_ids=True)
     without = role_call_return(PPO, ROLE_PPO, 150_000, agent_ids=False)
     assert with_ids >= 0.9, with_ids
@@ -229,11 +228,10 @@ def test_shared_policy_ppo_learns_distinct_roles_only_when_it_sees_agent_ids(no_
 @pytest.mark.parametrize("seed", [1, 2])
 def test_shared_policy_lstm_ppo_and_impala_learn_role_call(seed):
     """With agent ids, >= 0.9 of the optimum: PPO and IMPALA, feed-forward and LSTM.
-    IMPALA's LSTM stayed at chance here (0.335) with its old defaults (a shared core, raw
-    rewards), as on issue 13's RepeatFirst; with a value core of its own and scaled
-    rewards it reached 0.993 (seed 1, 1M, 2026-11-24), and 0.982 with 2026-11-25's 4 x 4
-    steps per shard, a task its defaults were not tuned on. Figures: RESULTS.md,
-    "Multi-agent"."""
+    IMPALA's LSTM with a shared core and raw rewards stays at chance here (0.335), as on
+    the memory suite's RepeatFirst; its defaults (a value core of its own, scaled rewards,
+    4 x 4 steps per shard) reach about 0.98 at 1M, a task they were not tuned on. Figures:
+    benchmarks/RESULTS.md, "Multi-agent"."""
     for use_lstm in (False, True):
         cfg = dataclasses.replace(ROLE_PPO, use_lstm=use_lstm)
         ret = role_call_return(PPO, cfg, 600_000, agent_ids=True, seed=seed)
@@ -322,9 +320,9 @@ def test_minibatches_keep_each_env_s_agents_together():
 def test_ppo_learns_simple_spread_and_a_central_value_is_no_worse():
     """simple_spread_v3 (3 agents, 25 steps), 2M env steps (6M agent steps) each, seed 0.
     Mean team return over the last 10%: a uniformly random policy scores -80.9 (300
-    episodes, standard error 1.4); measured 2026-11-23: independent values -50.4 (from
-    -67 in the first tenth), centralized value -50.5 (from -69); 13 to 14 min per run at
-    7k to 8k agent steps/s on 2 cores (the MPE envs step in Python)."""
+    episodes, standard error 1.4); independent values reach about -50 (from -67 in the
+    first tenth), and so does a centralized value (from -69); 13 to 14 min per run at 7k
+    to 8k agent steps/s on 2 cores (the MPE envs step in Python)."""
     pytest.importorskip("mpe2", reason="simple_spread needs the 'multiagent' extra (mpe2)")
     returns = {}
     for central in (False, True):

@@ -416,8 +416,9 @@ def test_value_rescaling_is_applied_to_targets():
 @pytest.mark.timeout(240)
 def test_rewards_are_learnt_in_units_of_their_running_rms():
     """With `normalize_rewards` the targets do not depend on the rewards' scale: a task
-    paying 1/46 a step is learnt as one paying 1 (at 1/46 R2D2 stalled at half the
-    optimum of RepeatPrevious-v0; benchmarks/RESULTS.md)."""
+    paying 1/46 a step is learnt as one paying 1 (with raw rewards of 1/46 a step R2D2
+    stays at half the optimum of RepeatPrevious-v0; benchmarks/RESULTS.md, "The memory
+    suite")."""
     E, T = 4, 4
     layout = sebulba.Layout(envs_per_group=E, num_groups=1, steps_per_cycle=T,
                             num_learner_devices=1)

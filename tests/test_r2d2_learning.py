@@ -1,4 +1,4 @@
-"""R2D2 learns what needs memory, in the real Sebulba loop (issue 4).
+"""R2D2 learns what needs memory, in the real Sebulba loop.
 
 Metric: mean return of the episodes completed in the last 10% of the budget, with the
 actors' own exploration (per-env epsilon from 0.4 down to 0.4^8: on cue recall with 32
@@ -41,9 +41,9 @@ def cue_recall_config(use_lstm: bool) -> R2D2Config:
 
 @pytest.mark.timeout(600)
 def test_r2d2_recalls_the_cue_where_a_feed_forward_q_network_cannot(no_leftovers):
-    # Measured last-10% means at 50k steps (seeds 0, 1, 2): LSTM 0.98, 0.96, 0.96;
-    # feed-forward 0.49, 0.50, 0.49. The LSTM reaches ~0.96 by 20-30k steps, sometimes
-    # with a brief dip later. ~10 s per run alone, 25-45 s on 2 cores at load ~12-17.
+    # At 50k steps the LSTM's last-10% mean is near 0.96-0.98 and the feed-forward
+    # agent's near 0.5. The LSTM reaches ~0.96 by 20-30k steps, sometimes with a brief
+    # dip later. ~10 s per run alone, 25-45 s on 2 cores under load.
     steps = 50_000
     recurrent = run(CUE_RECALL, CUE_KWARGS, cue_recall_config(use_lstm=True), steps, seed=0)
     feed_forward = run(CUE_RECALL, CUE_KWARGS, cue_recall_config(use_lstm=False), steps, seed=0)
@@ -57,11 +57,11 @@ def test_r2d2_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     steps, 1/50 a step; without memory the best is 0.265 (a policy sees zeros after step
     0). The defaults' learner schedule is what this checks: with the paper's (a target
     copy every 2,500 steps, learning from 5,000 sequences, Adam at 1e-4, eps 1e-3) the
-    agent was at chance at 300k steps.
+    agent is at chance at 300k steps.
     """
-    # Measured 2026-11-25 with today's defaults (own value torso and LSTM, rewards in
-    # units of their RMS, 3-step returns) in the memory suite's loop, seeds 0, 1, 2: at
-    # 0.8 by 100k on each, 0.93, 0.95, 0.94 at 1M; the feed-forward twin 0.26.
+    # With the defaults (own value torso and LSTM, rewards in units of their RMS, 3-step
+    # returns) in the memory suite's loop R2D2 reaches 0.8 by 100k steps and about 0.94 at
+    # 1M; the feed-forward twin 0.26.
     result = run(suite.REPEAT_FIRST, {}, R2D2Config(), 120_000, seed=0)
     assert result.mean_return(0.9, 1.0) >= 0.6, result.summary()
 
@@ -70,10 +70,10 @@ def test_r2d2_defaults_learn_small_rewards_that_need_memory(no_leftovers):
 @pytest.mark.timeout(1800)
 def test_r2d2_defaults_repeat_the_symbol_shown_four_steps_back(no_leftovers):
     """RepeatPrevious-v0 (k = 4, 1/46 a rewarded step; chance 0.25) with the defaults,
-    and the feed-forward twin at chance. Measured 2026-11-25 in the memory suite's loop
-    (1M steps; the last 10% over the optimum): seeds 0, 1, 2 at 0.94, 0.93, 0.91, at 0.8
-    by 700k to 850k; the twin 0.25. Before the value got its own core and the rewards
-    their scale, 0.44. This test and the CartPole one took 296 s together on 2 cores."""
+    and the feed-forward twin at chance. In the memory suite's loop (1M steps; the last
+    10% over the optimum) the defaults end at 0.91-0.94, at 0.8 by 700k to 850k; the twin
+    at 0.25. A shared value core with raw rewards stays near 0.44. This test and the
+    CartPole one take about 5 minutes together on 2 cores."""
     task = suite.REPEAT_PREVIOUS
     recurrent = run(task, {}, R2D2Config(), 1_000_000, seed=1)
     assert recurrent.mean_return(0.9, 1.0) >= 0.8, recurrent.summary()
@@ -84,10 +84,10 @@ def test_r2d2_defaults_repeat_the_symbol_shown_four_steps_back(no_leftovers):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_r2d2_balances_cartpole_without_velocities(no_leftovers):
-    # The issue asks for >= 150 within 1M steps; 300k suffice. Measured last-10% means at
-    # 300k (seeds 0, 1, 2): 375, 388, 390 with Adam's epsilon 1e-3 (~150 is passed near
-    # 200k); it passes with today's 1e-6 too (2026-11-24). 30-50 s per run on 2 cores: in
-    # the slow set since the default suite passed 15 minutes (cue recall stays there).
+    # The bar is >= 150 within 1M steps; 300k suffice: the last-10% mean at 300k is near
+    # 375-390 with Adam's epsilon 1e-3 (~150 is passed near 200k), and the default 1e-6
+    # passes too. 30-50 s per run on 2 cores: in the slow set, to keep the default suite
+    # short (cue recall stays there).
     config = R2D2Config(torso_sizes=(64,), lstm_size=64, head_sizes=(64,),
                         sequence_length=40, sequence_overlap=20, burn_in=10, n_step=5,
                         discount=0.99, target_update_period=200, learning_rate=5e-4,

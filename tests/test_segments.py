@@ -22,7 +22,8 @@ def test_layout_sizes_the_buffer_from_the_envs():
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kwargs,message", [
-    # Seed 001: 2,720 envs x 3 agents = 8,160 streams for a buffer of 8,192 segments.
+    # Segments with exact sizing: 2,720 envs x 3 agents = 8,160 streams do not fill a
+    # buffer sized for 8,192 segments (a PufferLib-style batch size).
     ({"envs_per_shard": 8160, "steps_per_cycle": 64, "bptt_horizon": 64, "num_minibatches": 32,
       "expected_segments": 8192},
      r"sized for 8192 segments, but the envs fill 8160 per update"),

@@ -15,8 +15,8 @@ TOTAL_ENV_STEPS = 400_000
 @pytest.mark.timeout(600)
 def test_spg_learns_cartpole():
     # 64-step cycles of 16 envs: 1024 env steps per update. With 32-step cycles the
-    # policy sometimes collapsed to a single action (returns ~9) after reaching 500.
-    # Seeds 0-11 ended at 310-487 in the last 10% with these settings, from ~32.
+    # policy can collapse to a single action (returns ~9) after reaching 500. With these
+    # settings the last 10% ends at 310-487 over twelve seeds, from ~32.
     config = sebulba.Config(
         env="CartPole-v1",
         envs_per_group=16,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -113,9 +115,9 @@ def test_sebulba_has_no_import_cycle():
 
 @pytest.mark.timeout(60)
 def test_only_the_registry_names_the_vectorizations():
-    """`Config`, the loop, evaluation and the launcher ask `sebulba.envs.registry` what a vectorization
-    supports; a comparison with a vectorization's name anywhere else is a branch that a
-    new source would have to find. The gymnasium source picks among gymnasium's own
+    """`Config`, the loop, evaluation and the launcher ask `sebulba.envs.registry` what a
+    vectorization supports; a comparison with a vectorization's name anywhere else is a
+    branch that a new source would have to find. The gymnasium source picks among gymnasium's own
     modes, which are its business."""
     names = "sync|async|vector_entry_point|envpool|pettingzoo"
     branch = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']""")
@@ -127,3 +129,12 @@ def test_only_the_registry_names_the_vectorizations():
                  for i, line in enumerate(path.read_text().splitlines(), 1)
                  if branch.search(line)]
     assert offenders == []
+
+
+@pytest.mark.timeout(120)
+def test_ruff_is_clean():
+    """The lint rules of pyproject.toml, function size (C901, PLR0912, PLR0915) among
+    them, hold for the whole checkout."""
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT.parent,
+                          capture_output=True, text=True, timeout=110)
+    assert lint.returncode == 0, lint.stdout + lint.stderr

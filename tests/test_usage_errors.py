@@ -68,7 +68,7 @@ def assert_usage_error(result: subprocess.CompletedProcess, message: str) -> Non
      "(--agent=spg), so it would be ignored; did you mean --spg_learning_rate?"),
     (["--r2d2_lstm_size=8"], "--r2d2_lstm_size is a flag of agent 'r2d2', but this run's "
                              "agent is 'ppo' (--agent=ppo), so it would be ignored"),
-    # Checks of the agent against the run, which used to be tracebacks.
+    # Checks of the agent against the run: one-line errors, not tracebacks.
     (["--agent=r2d2", "--steps_per_cycle=32"],
      "--steps_per_cycle=32 must equal the sequence period"),
     (["--agent=r2d2", "--env=Pendulum-v1", "--steps_per_cycle=40"],

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import sebulba
-from agents.common import distributions, networks, normalization
+from agents.common import checks, distributions, networks, normalization
 from sebulba.envs import observations
 
 
@@ -49,14 +49,10 @@ class ActorCriticOptions:
         (`agents.common.normalization`); "auto": on for Box action spaces.
       normalize_rewards: "auto" | "on" | "down" | "off": divide rewards, for learning
         only, by the running std of the discounted return (the actors accumulate it; the
-        learner keeps the moments); "down": by that std only where it exceeds 1 (large
-        returns are brought to unit scale, small rewards are left as they are); "auto":
-        on for Box action spaces and with an LSTM (IMPALA: "down" otherwise,
-        "off" with its `reward_clip`). An LSTM
-        agent then learns with one setting whether a step earns 1/50 (RepeatFirst-v0) or
-        1 (CartPole without velocities): unscaled, the value's gradients on returns of
-        ~100 fill the clipped global norm and PPO's LSTM policy stalled near 220 there
-        (benchmarks/RESULTS.md, "The memory suite").
+        learner keeps the moments); "down": only where that std exceeds 1. "auto": on for
+        Box action spaces and with an LSTM, so that one setting learns rewards of 1/50 or
+        1 a step (benchmarks/RESULTS.md, "The memory suite"); otherwise off (IMPALA:
+        "down", or "off" with its `reward_clip`).
       state_dependent_std: a Gaussian policy's log-std is a linear output of the
         features; False (CleanRL's choice): one learnt parameter per action dimension.
       gaussian_entropy_cost: weight of the entropy bonus of a Gaussian policy (Box
@@ -67,10 +63,9 @@ class ActorCriticOptions:
         agents of the row's env (MAPPO's centralized critic); the policy sees only its
         own observation, so acting stays decentralized.
       shared_core: with an LSTM, policy and value share one torso and one LSTM (linear
-        heads); False (the default): each has its own torso and LSTM of the same sizes,
-        as the feed-forward policy and value have their own MLPs, so that the value's
-        loss does not reshape the policy's memory (benchmarks/RESULTS.md, "The memory
-        suite"). Frames always share one Nature CNN and LSTM.
+        heads). False (the default): each has its own of the same sizes, so that the
+        value's loss does not reshape the policy's memory (benchmarks/RESULTS.md, "The
+        memory suite"). Frames always share one Nature CNN and LSTM.
     """
 
     normalize_observations: str = "auto"
@@ -81,13 +76,9 @@ class ActorCriticOptions:
     shared_core: bool = False
 
     def __post_init__(self):
-        for name, allowed in (("normalize_observations", SWITCHES),
-                              ("normalize_rewards", REWARD_SWITCHES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not self.gaussian_entropy_cost >= 0.0:
-            raise ValueError(
-                f"gaussian_entropy_cost must be >= 0, got {self.gaussian_entropy_cost!r}")
+        checks.one_of(self, "normalize_observations", SWITCHES)
+        checks.one_of(self, "normalize_rewards", REWARD_SWITCHES)
+        checks.reals(self, "gaussian_entropy_cost", low=0.0)
 
 
 def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,

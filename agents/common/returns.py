@@ -16,7 +16,9 @@ def action_mask(terminated: jax.Array, truncated: jax.Array) -> jax.Array:
     """Which of the first T actions the env acted on.
 
     Args:
-      terminated, truncated: [T + 1] bool.
+      terminated: [T + 1] bool.
+      truncated: [T + 1] bool.
+
     Returns:
       [T] float32, 0 where step t was the last of an episode (its action was ignored).
     """
@@ -39,8 +41,10 @@ def bootstrapped_returns(
     Args:
       reward: [T + 1] float, reward[t] follows the action at t - 1.
       value: [T + 1] float, state values (treated as constants).
-      terminated, truncated: [T + 1] bool.
+      terminated: [T + 1] bool.
+      truncated: [T + 1] bool.
       discount: scalar in [0, 1].
+
     Returns:
       [T] returns for t = 0..T-1 (meaningless where `action_mask` is 0).
     """
@@ -80,9 +84,11 @@ def gae_advantages(
     Args:
       reward: [T + 1] float, reward[t] follows the action at t - 1.
       value: [T + 1] float, state values (treated as constants).
-      terminated, truncated: [T + 1] bool.
+      terminated: [T + 1] bool.
+      truncated: [T + 1] bool.
       discount: scalar in [0, 1].
       lambda_: scalar in [0, 1]; 0 gives one-step TD errors, 1 Monte Carlo advantages.
+
     Returns:
       [T] advantages for t = 0..T-1, 0 where `action_mask` is 0. Trailing batch axes
       (leaves [T + 1, B]) are carried through.

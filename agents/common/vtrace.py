@@ -64,13 +64,15 @@ def vtrace(
       reward: [T + 1] float, reward[t] follows the action at t - 1 (reward[0] is unused).
       value: [T + 1] float, V(x_t) under the target policy's baseline (constants: no
         gradient flows through the targets).
-      terminated, truncated: [T + 1] bool.
+      terminated: [T + 1] bool.
+      truncated: [T + 1] bool.
       discount: gamma, a scalar in [0, 1].
       rho_bar: clips rho in delta_t; it sets the fixed point (rho_bar = inf: the target
         policy's value, smaller: closer to the behaviour policy's).
       c_bar: clips the trace coefficients c; it sets the speed of convergence.
       pg_rho_bar: clips rho in the policy gradient advantage; None: `rho_bar`.
       lambda_: scales the traces, c_t = lambda_ min(c_bar, rho_t) (lambda_ = 0: one-step).
+
     Returns:
       VTraceOutput with leaves [T]. Where the action was ignored (`action_mask` is 0),
       vs_t = V(x_t) and pg_advantage_t = 0; mask the losses there.

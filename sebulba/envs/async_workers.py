@@ -263,7 +263,8 @@ def _observation_writer(space: gym.Space, index: int,
     env's slice of it is viewed once, here, and each observation is flattened into it
     (as gymnasium does, so an observation of the space's size in another shape is
     written too). gymnasium's `write_to_shared_memory` builds that view again at every
-    step, which costs an async worker about 22 us of CPU a step against 2 (RESULTS.md).
+    step, which costs an async worker about 22 us of CPU a step against 2
+    (benchmarks/HISTORY.md, "sebulba's own async env worker").
     Other spaces (Dict, Tuple, Text, ...) go through gymnasium's writer.
     """
     if not isinstance(space, _FLAT_SPACES):

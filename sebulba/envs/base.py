@@ -20,7 +20,8 @@ class EnvSource(Protocol):
     ids)`: `recv` returns the ids of the envs whose step finished (any `group_size` of
     them, from any group; every env in id order when `in_order`), their `EnvStep` rows
     and the env steps those rows complete; `send` hands those envs their actions. Env `i`
-    belongs to group `i // group_size`. Episodes end with gymnasium's NEXT_STEP autoreset:
+    belongs to group `i // group_size`; a source whose envs step in order holds one group.
+    Episodes end with gymnasium's NEXT_STEP autoreset:
     the row after a last one is its env's reset (`first`, reward 0), whose action the env
     ignores. `EpisodeTracker` builds such rows from an env's own outputs.
 

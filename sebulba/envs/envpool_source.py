@@ -4,7 +4,8 @@ One pool of `num_groups x group_size` envs with `batch_size=group_size` steps in
 C++ threads, outside the GIL. `recv` returns whichever `group_size` envs finished first,
 from any group, with their `env_id`; `send` hands their actions back. One inferencer
 thread per inference device drives the pool, running inference for one batch while the
-others step (seed 000's alternation), and assembles each group's trajectory by env id.
+others step (the recv/send alternation of `async_factor` groups in one thread), and
+assembles each group's trajectory by env id.
 
 EnvPool's semantics, as sebulba needs them: gymnasium's (obs, reward, terminated,
 truncated, info); after a step that ends an episode, the next `send` for that env is

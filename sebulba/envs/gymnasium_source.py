@@ -126,12 +126,14 @@ def env_spec(
     env_kwargs: Mapping[str, Any] | None = None,
     vectorization: str = "sync",
     env_wrappers: Sequence[EnvWrapper] = (),
+    desync_episodes: bool = False,
 ) -> EnvSpec:
     """Makes one env to read its spaces, then closes it.
 
     With "vector_entry_point" the spaces are those of the id's own vector env, which may
     preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
-    `env_wrappers` (`parse_wrappers`) wrap the env, in order.
+    `env_wrappers` (`parse_wrappers`) wrap the env, in order. With `desync_episodes` the
+    env must have an episode step limit to cut its first episode at (ValueError if not).
     """
     env_wrappers = parse_wrappers(env_wrappers)
     if isinstance(env, str):
@@ -147,6 +149,8 @@ def env_spec(
             vec.close()
     single = make_env(env, env_kwargs, env_wrappers)
     try:
+        if desync_episodes:
+            DesyncFirstEpisode(single)  # raises unless the env has a step limit
         check_spaces(single.observation_space, single.action_space)
         return EnvSpec(single.observation_space, single.action_space)
     finally:
@@ -204,16 +208,6 @@ class DesyncFirstEpisode(gym.Wrapper):
             truncated = truncated or (self._t >= self.first_episode_length and not terminated)
             self._in_first = not (terminated or truncated)
         return obs, reward, terminated, truncated, info
-
-
-def check_desync(env: str | EnvFactory, env_kwargs: Mapping[str, Any] | None = None,
-                 env_wrappers: Sequence[EnvWrapper] = ()) -> None:
-    """Raises ValueError, naming the env, if it has no episode step limit to desync with."""
-    single = make_env(env, env_kwargs, parse_wrappers(env_wrappers))
-    try:
-        DesyncFirstEpisode(single)
-    finally:
-        single.close()
 
 
 def _make_single(env: str | GymEnvSpec | EnvFactory, env_kwargs: Mapping[str, Any] | None,

@@ -13,7 +13,7 @@ them into features on the device. This module says how, from the space alone:
 - `VECTOR`: any other Box, flattened to float32.
 
 A rank-3 uint8 Box whose channel axis cannot be told (e.g. (3, 5, 3)) is an error that
-names the shape: guessing from rank alone gave constant networks before.
+names the shape: a layout guessed from the rank alone can give a network constant outputs.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Multi-agent envs: PettingZoo Parallel envs as an env source of agent rows.
 
 An env with K agents (PettingZoo's `possible_agents`) gives K rows, env-major: row
-`i * K + j` is agent j of env i (seed 001's table). The rest of the framework sees a
-group of N envs as N x K acting streams, exactly as it sees N single-agent envs, so
-agents, trajectories, `shard_step_state` and the learner need no multi-agent code; a
-single-agent env is the case K = 1.
+`i * K + j` is agent j of env i. The rest of the framework sees a group of N envs as
+N x K acting streams, exactly as it sees N single-agent envs, so agents, trajectories,
+`shard_step_state` and the learner need no multi-agent code; a single-agent env is the
+case K = 1.
 
 Episodes follow Gymnasium's NEXT_STEP autoreset, per env: once every agent of an env
 has left its episode (PettingZoo's `agents` is empty), the next send resets that env,

@@ -61,7 +61,8 @@ class EnvSourceKind:
       make_sources: the sources of one inference device: `request.num_groups` groups,
         in order (one source per group, or one source of several groups).
       env_spec: the env's spaces as this kind's sources emit them (one env made and
-        closed; `request.group_size` is 1).
+        closed; `request.group_size` is 1); it also checks what only a made env tells
+        (a step limit for `request.desync_episodes`).
       check_env: a fast check of an env id that makes no env: ValueError naming it.
       needs_env_id: refuses env factories.
       wraps_each_env: makes each env itself, so `env_wrappers` and `desync_episodes` apply.
@@ -147,15 +148,18 @@ def env_spec(
     vectorization: str = "sync",
     agent_ids: bool = False,
     env_wrappers: str | Sequence[EnvWrapper] = (),
+    desync_episodes: bool = False,
 ) -> EnvSpec:
     """The spaces of `env` as `vectorization`'s sources emit them (one env made, then
     closed). `env_wrappers` (`parse_wrappers`) wrap the env, in order; with `agent_ids`
-    a multi-agent env's observation is extended by the agent's one-hot."""
+    a multi-agent env's observation is extended by the agent's one-hot; with
+    `desync_episodes` the env is checked for the step limit desync needs."""
     kind = get(vectorization)
     wrappers = parse_wrappers(env_wrappers)
-    check_request(kind, env, wrappers, agent_ids=agent_ids)
+    check_request(kind, env, wrappers, desync_episodes, agent_ids)
     return kind.env_spec(SourceRequest(env, dict(env_kwargs or {}), group_size=1,
-                                       env_wrappers=wrappers, agent_ids=agent_ids))
+                                       env_wrappers=wrappers, agent_ids=agent_ids,
+                                       desync_episodes=desync_episodes))
 
 
 def _either(kinds: Iterable[EnvSourceKind]) -> str:
@@ -184,7 +188,7 @@ def _vector_sources(vectorization: str) -> SourceFactory:
 
 def _gym_spec(vectorization: str) -> SpecFactory:
     return lambda r: gymnasium_source.env_spec(r.env, r.env_kwargs, vectorization,
-                                               r.env_wrappers)
+                                               r.env_wrappers, r.desync_episodes)
 
 
 def _gym_check(vectorization: str) -> Callable[[str], None]:

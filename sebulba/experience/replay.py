@@ -250,6 +250,7 @@ def power_probabilities(
       alpha: >= 0; 0 is uniform over the valid rows.
       valid: [N] bool, or None for all rows. Invalid rows get 0 even for alpha = 0
         (where 0^0 would be 1).
+
     Returns:
       [N] probabilities summing to 1; uniform over all N rows if no valid row has weight.
     """

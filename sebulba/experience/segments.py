@@ -1,7 +1,7 @@
 """Segment experience: trajectories cut into `bptt_horizon`-step segments, sampled by advantage.
 
-Each env's stream is cut into segments of H = `bptt_horizon` consecutive steps (seeds
-000/001). A trajectory shard [E, T, ...] of one learner device holds E * T / H segments:
+Each env's stream is cut into segments of H = `bptt_horizon` consecutive steps. A
+trajectory shard [E, T, ...] of one learner device holds E * T / H segments:
 segment i is env i // (T / H), steps [(i % (T / H)) * H, ... + H). Episodes cross
 segment boundaries freely; a segment may hold the end of one episode and the start of
 the next, and its `first` flags say where a recurrent state must reset (`ResetLSTM`
@@ -104,8 +104,9 @@ def segment_layout(
         sized for; it must equal what the envs produce exactly: slots = agents x
         segments per agent, where an agent is an env, or one of the K agents of a
         multi-agent env (`agents_per_env`; `envs_per_shard` then counts agent rows).
+
     Raises:
-      ValueError naming the numbers that do not fit.
+      ValueError: where the numbers do not fit, naming them.
     """
     horizon = bptt_horizon or steps_per_cycle
     if horizon < 1 or steps_per_cycle % horizon:
@@ -144,6 +145,7 @@ def to_segments(x: jax.Array, horizon: int) -> jax.Array:
 
     Args:
       x: [E, T, ...] with T a multiple of `horizon`.
+
     Returns:
       [E * T / H, H, ...]; segment i is env i // (T / H), chunk i % (T / H).
     """
@@ -163,6 +165,7 @@ def group_by_env(x: jax.Array, agents_per_env: int, num_rows: int) -> jax.Array:
 
     Args:
       x: [E x C, ...] segments (or segment starts) of E rows env-major, C chunks each.
+
     Returns:
       [E x C, ...]: entry ((e x C) + c) x K + j is agent j of env e, chunk c.
     """
@@ -176,6 +179,7 @@ def segment_starts(x: PyTree, horizon: int) -> PyTree:
 
     Args:
       x: pytree with leaves [E, T, ...].
+
     Returns:
       leaves [E * T / H, ...]: entry t = 0, H, 2H, ... of each env, in segment order.
     """
@@ -193,6 +197,7 @@ def segment_probabilities(advantages: jax.Array, alpha: float) -> jax.Array:
     Args:
       advantages: [N, H], 0 where an action carried no signal.
       alpha: >= 0; 0 gives the uniform 1 / N.
+
     Returns:
       [N] float32 probabilities summing to 1 (uniform if every segment's sum is 0).
     """
@@ -205,6 +210,7 @@ def importance_weights(probabilities: jax.Array, beta: jax.Array | float) -> jax
     Args:
       probabilities: [N] sampling probabilities.
       beta: scalar in [0, 1].
+
     Returns:
       [N] float32 in (0, 1]; 0 for segments that are never drawn. Exactly 1 everywhere
       when the probabilities are uniform.
@@ -258,10 +264,13 @@ def plan_minibatches(
     Args:
       key: PRNG key.
       advantages: [N, H] segment advantages.
-      num_epochs, num_minibatches: K = num_epochs * num_minibatches minibatches of
-        B = N / num_minibatches segments.
+      num_epochs: passes over the segments; K = num_epochs * num_minibatches
+        minibatches in all.
+      num_minibatches: minibatches per epoch, of B = N / num_minibatches segments each.
       alpha: prioritization exponent; 0 splits a fresh permutation per epoch.
       beta: importance-weight exponent.
+      group_size: G, segments sampled together as one group (1: each on its own).
+
     Returns:
       A MinibatchPlan.
     """

@@ -128,15 +128,17 @@ class RunResult:
 
     Attributes:
       env_steps: env steps taken by this process's env groups (reset steps included).
-      consumed / dropped / in_flight: where those steps went (see module docstring).
-        All of these are this process's; `global_consumed` is the run's.
+      consumed: env steps the learner learnt from (this process's; `global_consumed`
+        is the run's).
+      dropped: env steps in trajectories dropped from a full queue (`drop_when_full`).
+      in_flight: env steps acted but not consumed when the run ended: in open cycles,
+        the queue, or taken by the learner for an update it did not make.
       wall_seconds: from the first env step to the end of the run.
       episodes: (env_steps when it ended, return, length) of the completed episodes, the
         most recent `EPISODE_WINDOW` of them (`episodes_total` counts all).
       policy_lags: per consumed trajectory (the most recent `LAG_WINDOW`), in learner
-        updates: the learner's updates
-        when it consumed the trajectory minus its updates when it published the networks
-        that acted (0: the freshest networks possible).
+        updates: the learner's updates when it consumed the trajectory minus its updates
+        when it published the networks that acted (0: the freshest networks possible).
       stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
         for room), queue_get (learner waiting), update_experience, optimize;
         wait_for_networks (lockstep acting waiting for the learner).

@@ -26,7 +26,10 @@ class QueueItem(NamedTuple):
       group: the env group (inferencer thread) of this process that produced it.
       version: learner updates done when the networks that acted were published (the
         policy lag of this item is the learner's updates when it is consumed minus this).
-      initial_step_state, final_step_state, trajectory: sharded along the env axis.
+      initial_step_state: the StepState the cycle started from, sharded along the env
+        axis over the learner devices.
+      final_step_state: the StepState it ended in (the next cycle's initial), sharded.
+      trajectory: what the cycle produced, leaves [envs, T, ...], sharded.
       num_env_steps: env steps the cycle took (envs_per_group x steps_per_cycle).
     """
 

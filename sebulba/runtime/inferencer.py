@@ -3,7 +3,8 @@
 An env source holds `num_groups` env groups of E envs. A gymnasium vector env is one
 group, and `async_factor` such threads per device alternate on the GIL; an EnvPool source
 holds `async_factor` groups in one pool whose `recv` returns whichever E envs finished
-(seed 000's alternation, one thread). The same loop drives both:
+(the recv/send alternation of `async_factor` groups in one thread). The same loop drives
+both:
 
     ids, env_step = source.recv()      # E envs of any of the source's groups
     one compiled, donated call on the device: take the ids' StepState rows, keep a copy
@@ -23,7 +24,8 @@ up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest, and is held 
 (`_HoldBack`) until that env's cycle is pushed. Trajectories are
 built in host memory and go to the learner devices in one transfer per device per cycle;
 the acting call carries only the step's data, not the trajectory (recording on the
-device instead saves the by-id loop at most 5%: RESULTS.md, 2026-11-25).
+device instead would save the by-id loop at most 5%: benchmarks/RESULTS.md, "The acting
+loop").
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
 from sebulba.envs.base import EnvSource
-from sebulba.envs.gymnasium_source import check_desync
 from sebulba.runtime import sharding
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
@@ -41,9 +40,8 @@ class UpdateInfo:
         (first local learner replica, on device).
       accounting: live counters (env steps, consumed, episodes, stage seconds) of this
         process; read them, don't change them.
-      learner_state(): the full learner state, for checkpoints.
-      actor_state(): this process's StepState where the learner's data ends, for
-        checkpoints.
+
+    `learner_state()` and `actor_state()` copy what a checkpoint needs.
     """
 
     version: int
@@ -139,8 +137,6 @@ class Sebulba:
                 "sequences, so it needs every trajectory: with drop_when_full a dropped one "
                 "would join its neighbours into a sequence that never happened; use "
                 "drop_when_full=False (the learner then applies backpressure)")
-        if config.desync_episodes:
-            check_desync(config.env, config.env_kwargs, config.env_wrappers)
         # A row is one acting stream: one env, or one agent of a multi-agent env.
         self.rows_per_group = config.envs_per_group * spec.agents_per_env
         self.layout = Layout(
@@ -213,6 +209,7 @@ class Sebulba:
             episodes. A resumed run continues the learner exactly when `state` holds
             the checkpoint's nets, opt and `UpdateInfo.actor_state()` (its step state)
             and `local_experience` the checkpoint's experience.
+
         Returns:
           The figures of the run and its final state. An error in any thread or env
           stops the run and is re-raised here.
@@ -407,6 +404,11 @@ class Sebulba:
                                              self._env_seed(group, learner_updates))
                 for source in kind.make_sources(request):
                     sources.append((group, device, source))  # closed on error
+                    if source.in_order and source.num_groups != 1:
+                        raise ValueError(
+                            f"vectorization {cfg.vectorization!r} made a source of "
+                            f"{source.num_groups} groups whose envs step in order; such a "
+                            "source holds one group (make one source per group)")
                     group += source.num_groups
                 if group != (d + 1) * cfg.async_factor:
                     raise ValueError(

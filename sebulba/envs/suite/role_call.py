@@ -14,7 +14,7 @@ each agent (and K to the team); answering uniformly at random is worth 1/K.
 is the team's, so an agent's return also moves with the others' answers (the credit
 assignment a cooperative task poses), half its own (so one shared policy learns it in a
 few hundred thousand agent steps). 1 credits each agent with its own answer only; 0
-gives every agent the team's reward alone (measured in benchmarks/RESULTS.md).
+gives every agent the team's reward alone (benchmarks/RESULTS.md, "Multi-agent").
 
 With `leave_after` = n, the last agent leaves the episode (terminated) after n steps
 while the others go on: the case of agents leaving early that the framework masks.
