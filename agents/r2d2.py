@@ -123,8 +123,10 @@ class R2D2Config:
       batch_size: sequences each learner device samples per learner step.
       replay_capacity: sequences each learner device's replay holds.
       min_replay_size: sequences a learner device's replay must hold before it learns.
-      updates_per_trajectory: learner steps per received trajectory (the replay ratio
-        is updates x batch_size / sequences per trajectory shard).
+      updates_per_trajectory: learner (optimizer) steps per received trajectory, so K x
+        this per learner update of K = `Config.trajectories_per_update` trajectories
+        (the replay ratio, updates x batch_size / sequences per trajectory shard, does
+        not depend on K).
       priority_exponent: alpha, sampling probability p^alpha / sum p^alpha.
       importance_exponent: beta, importance weights (N P(i))^-beta.
       priority_eta: eta, priority eta max|td| + (1 - eta) mean|td|.
@@ -461,7 +463,13 @@ class R2D2(sebulba.Agent):
         return experience._replace(replay=replay, pending=pending)
 
     def num_off_policy_optims_per_cycle(self) -> int:
+        """`updates_per_trajectory`: the optimizer steps of an update of one trajectory."""
         return self.config.updates_per_trajectory
+
+    def optimizer_steps_per_update(self, trajectories_per_update: int) -> int:
+        """`updates_per_trajectory` for each of the update's trajectories: the replay
+        ratio is the same whatever `Config.trajectories_per_update`."""
+        return self.config.updates_per_trajectory * trajectories_per_update
 
     # Learning.
 
@@ -492,14 +500,14 @@ class R2D2(sebulba.Agent):
         if cfg.value_rescaling:
             bootstrap = unrescale(bootstrap, cfg.value_rescaling_eps)
         tail = jax.tree.map(lambda x: x[:, burn:], steps)
-        returns = jax.vmap(n_step_returns, in_axes=(0, 0, 0, 0, None, None))(
+        returns = jax.vmap(n_step_returns, in_axes=(0, 0, 0, 0, None, None, 0))(
             tail.reward * reward_scale, bootstrap, tail.terminated, tail.truncated,
-            cfg.discount, cfg.n_step)
+            cfg.discount, cfg.n_step, tail.first)
         if cfg.value_rescaling:
             returns = rescale(returns, cfg.value_rescaling_eps)
         taken = jnp.take_along_axis(q[:, :-1], sequences.action[:, burn:, None], axis=-1)[..., 0]
         td = jax.lax.stop_gradient(returns) - taken  # [b, M]
-        mask = jax.vmap(action_mask)(tail.terminated, tail.truncated)  # [b, M]
+        mask = jax.vmap(action_mask)(tail.terminated, tail.truncated, tail.first)  # [b, M]
         count = jnp.maximum(jnp.sum(mask, axis=1), 1.0)
         losses = 0.5 * jnp.sum(mask * td**2, axis=1) / count
         abs_td = jax.lax.stop_gradient(jnp.abs(td)) * mask
@@ -574,12 +582,17 @@ def _per_learner_device(key: jax.Array) -> jax.Array:
 
 
 def n_step_returns(reward: jax.Array, bootstrap: jax.Array, terminated: jax.Array,
-                   truncated: jax.Array, discount: float, n: int) -> jax.Array:
-    """n-step returns of one sequence, stopping at episode ends and the sequence's end.
+                   truncated: jax.Array, discount: float, n: int,
+                   first: jax.Array | None = None) -> jax.Array:
+    """n-step returns of one sequence, stopping at episode ends, seams and the sequence's
+    end.
 
     G_t = sum_{k<j} discount^k reward[t+k+1] + discount^j v_{t+j}, where j is n or
     fewer: the first k >= 1 such that step t + k ends the episode (then v is 0 if it
-    terminated and bootstrap[t+k] if truncated) or is the sequence's last step M.
+    terminated and bootstrap[t+k] if truncated), is followed by a `first` step (a seam:
+    the steps before a resume joined to the reset envs after it; v is bootstrap[t+k], as
+    if truncated there), or is the sequence's last step M. So no return takes a reward or
+    a value from another episode.
 
     Args:
       reward: [M + 1] float, reward[t] follows the action at t - 1.
@@ -588,12 +601,17 @@ def n_step_returns(reward: jax.Array, bootstrap: jax.Array, terminated: jax.Arra
       truncated: [M + 1] bool.
       discount: scalar in [0, 1].
       n: steps, >= 1 (static).
+      first: [M + 1] bool, optional: where an episode starts.
 
     Returns:
-      [M] float32 returns for t = 0..M-1 (meaningless where `action_mask` is 0).
+      [M] float32 returns for t = 0..M-1 (meaningless where `action_mask` is 0, which
+      with `first` includes the step before each seam).
     """
     m = reward.shape[0] - 1
-    stop = (terminated | truncated).at[m].set(True)  # the sequence's end bootstraps too
+    stop = terminated | truncated
+    if first is not None:  # the step before an episode's start ends the stream there
+        stop = stop | jnp.append(first[1:], False)
+    stop = stop.at[m].set(True)  # the sequence's end bootstraps too
     end_value = jnp.where(terminated, 0.0, bootstrap)
     t = jnp.arange(m)
     returns = jnp.zeros((m,), jnp.float32)

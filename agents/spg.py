@@ -16,7 +16,7 @@ import jax
 import optax
 
 import sebulba
-from agents.common import networks, policy
+from agents.common import checks, networks, policy
 from agents.common.returns import action_mask, bootstrapped_returns
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
@@ -44,6 +44,13 @@ class SPGConfig:
     entropy_cost: float = 0.01
     max_grad_norm: float = 0.5
     lstm_size: int = 0
+
+    def __post_init__(self):
+        checks.sizes(self, "hidden_sizes")
+        checks.ints(self, "lstm_size", low=0, expected="an int >= 1 (or 0: no LSTM)")
+        checks.reals(self, "learning_rate", "max_grad_norm", low=0.0, open_low=True)
+        checks.reals(self, "discount", low=0.0, high=1.0)
+        checks.reals(self, "value_cost", "entropy_cost", low=0.0)
 
 
 class SPG(policy.ActorCriticActing, sebulba.Agent):

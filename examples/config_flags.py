@@ -288,6 +288,13 @@ def _define_enum(choices: tuple[str, ...]) -> Callable[..., flags.FlagHolder]:
     return define
 
 
+def _define_vectorization(name, default, help, **kw):
+    """An enum of the registered env source kinds, each described in the help."""
+    kinds = "; ".join(f"{k}: {registry.get(k).help}" for k in registry.names())
+    return flags.DEFINE_enum(name, default, list(registry.names()),
+                             f"{help} Registered: {kinds}.", **kw)
+
+
 def _identity(flag_name: str, value: Any) -> Any:
     return value
 
@@ -301,7 +308,7 @@ RUN_FLAG_CONVERSIONS: dict[str, FlagConversion] = {
     # Sequence of wrapper names (or callables, from Python): the names, comma-separated.
     "env_wrappers": FlagConversion(_define_env_wrappers, _parse_env_wrappers),
     # str, a registered vectorization: an enum, checked when the flags are parsed.
-    "vectorization": FlagConversion(_define_enum(registry.names()), _identity),
+    "vectorization": FlagConversion(_define_vectorization, _identity),
     # Sequence of device indices or jax.Device | None: comma-separated indices, unset = None.
     "inference_devices": FlagConversion(_define_devices, _parse_devices),
     "learner_devices": FlagConversion(_define_devices, _parse_devices),

@@ -68,11 +68,6 @@ class Layout:
         return self.envs_per_group * self.num_groups
 
     @property
-    def global_envs(self) -> int:
-        """Envs of all processes."""
-        return self.total_envs * self.num_processes
-
-    @property
     def envs_per_learner_shard(self) -> int:
         """Envs of one trajectory that one learner device receives (E / L)."""
         return self.envs_per_group // self.num_learner_devices
@@ -218,8 +213,18 @@ class Agent(abc.ABC):
 
     def num_off_policy_optims_per_cycle(self) -> int:
         """Optimizer steps per learner update (one update per
-        `Config.trajectories_per_update` received trajectories, 1 by default)."""
+        `Config.trajectories_per_update` received trajectories, 1 by default), whatever
+        the number of trajectories it learns from; see `optimizer_steps_per_update`."""
         return 1
+
+    def optimizer_steps_per_update(self, trajectories_per_update: int) -> int:
+        """Optimizer steps of one learner update, which learns from
+        `trajectories_per_update` (K) trajectories joined; the learner asks once, when it
+        is made. Default: `num_off_policy_optims_per_cycle()` whatever K (an on-policy
+        agent's epochs x minibatches over the joined batch). An agent that counts its
+        steps per trajectory (R2D2's `updates_per_trajectory`, a replay ratio) returns
+        that count times K, so that joining trajectories does not change the ratio."""
+        return self.num_off_policy_optims_per_cycle()
 
     def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets | None]:
         """Splits `nets` into (differentiated, held fixed), e.g. to exclude a target net.

@@ -37,11 +37,9 @@ class Config:
         makes each env itself ("sync", "async").
       envs_per_group: envs in each env group (the envs of one inferencer thread's cycle).
         Divisible by the number of learner devices: each trajectory is split over them.
-      vectorization: the env source kind, a name in `sebulba.envs.registry`: "sync"
-        (envs stepped in the inferencer thread), "async" (a worker process per env),
-        "vector_entry_point" (the id's own vector env), "envpool" (one EnvPool of
-        `async_factor` groups per inference device, extra `envpool`) or "pettingzoo"
-        (K agents per env as K rows, extra `multiagent`); or one registered by the user.
+      vectorization: the env source kind, a name registered in `sebulba.envs.registry`
+        (shipped: "sync", "async", "vector_entry_point", "envpool", "pettingzoo"; each
+        kind's `help` says what it is).
       agent_ids: multi-agent envs: append a one-hot of the agent's index to its (flat)
         observation, so that one shared policy can act differently per agent.
       async_factor: env groups per inference device; 2 = double buffering.
@@ -55,7 +53,8 @@ class Config:
         order) the learner joins along the env axis for one update; 1 learns from each
         as it arrives. Any value works with any queue_capacity.
       drop_when_full: drop the oldest queued trajectory instead of waiting for the
-        learner (backpressure) when the queue is full. Drops are counted.
+        learner (backpressure) when the queue is full. Drops are counted. Refused with
+        `lockstep` and trajectories_per_update > 1 (a drop would deadlock the run).
       check_finite: raise if the learner's loss is NaN or infinite.
       async_context: multiprocessing start method of env worker processes.
       shutdown_timeout_s: seconds stopping waits for a thread before giving up on it.
@@ -120,6 +119,16 @@ class Config:
             raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
         if not isinstance(self.lockstep, bool):
             raise ValueError(f"lockstep must be a bool, got {self.lockstep!r}")
+        if self.lockstep and self.drop_when_full and self.trajectories_per_update > 1:
+            # Lockstep's next cycle waits for the update that learns from this one; a
+            # dropped trajectory leaves that update one short for ever (a deadlock the
+            # stall detector would blame on the env).
+            raise ValueError(
+                f"lockstep with drop_when_full needs trajectories_per_update=1, got "
+                f"{self.trajectories_per_update}: acting waits for the update that learns "
+                "from the cycles before it, and a dropped trajectory leaves that update one "
+                "short for ever; use drop_when_full=False (a full queue then waits for "
+                "the learner)")
         if self.lockstep and not kind.steps_in_order:
             raise ValueError(f"lockstep needs envs stepped in order; vectorization "
                              f"{self.vectorization!r} returns whichever envs are ready")

@@ -51,15 +51,20 @@ def evaluate(
     episodes (the counts differ by at most one), decided before any episode ends, and
     the results are listed env by env. Taking the first `num_episodes` episodes to end,
     whichever env they ran in, would favour short episodes (in a cart-pole, the failures).
-    `vectorization` is a kind whose envs step in order: "sync" or, for ids whose own
-    vector env preprocesses (Atari), "vector_entry_point" (`evaluation_vectorization`
-    names the one for a run's).
+    `vectorization` is a single-agent kind that supports evaluation (its `evaluate_as` is
+    not None) and whose source of one group returns every env of it at each recv:
+    "sync", "envpool" (a pool whose batch is all its envs, returned in any order: rows
+    are put in env order) or, for ids whose own vector env preprocesses (Atari),
+    "vector_entry_point" (`evaluation_vectorization` names the one for a run's).
     """
     kind = registry.get(vectorization)
-    if kind.multi_agent or not kind.steps_in_order:
+    if kind.multi_agent:
         raise ValueError(
-            f"evaluate runs single-agent envs that step in order, so not vectorization "
-            f"{vectorization!r}: evaluating its policies is not supported yet")
+            f"evaluate runs single-agent envs, so not vectorization {vectorization!r}: "
+            "evaluating its policies is not supported yet")
+    if kind.evaluate_as is None:
+        raise ValueError(f"vectorization {vectorization!r} does not support evaluation "
+                         "(its registry entry has evaluate_as=None)")
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     num_envs = min(num_envs, num_episodes)
@@ -68,24 +73,25 @@ def evaluate(
     per_env: list[list[tuple[float, int]]] = [[] for _ in range(num_envs)]
     act = jax.jit(agent.greedy_step if greedy else agent.step)
     nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
-    sources = kind.make_sources(registry.SourceRequest(env, dict(env_kwargs or {}), num_envs))
+    # A source seeded when made (EnvPool) takes the seed here, the others at reset.
+    sources = kind.make_sources(registry.SourceRequest(env, dict(env_kwargs or {}), num_envs,
+                                                       seed=seed))
     try:
-        (source,) = sources
+        source = _one_group(sources, vectorization, num_envs)
         source.reset(seed=seed)
-        ids, env_step, _ = source.recv()
         step_state = agent.new_step_state(nets, jax.random.key(seed), num_envs)
-        for _ in range(max_env_steps // num_envs):
+        env_ids = np.arange(num_envs)  # the rows acted on, in env order
+        for _ in range(max_env_steps // num_envs + 1):
+            ids, env_step, _ = source.recv()
+            ended, env_step = _in_env_order(ids, env_step, vectorization)
+            # The tracker lists ended episodes in the order of recv's rows.
+            for i, episode in zip(ended, source.pop_episodes(), strict=True):
+                if len(per_env[i]) < quota[i]:
+                    per_env[i].append(episode)
+            if all(len(eps) == q for eps, q in zip(per_env, quota, strict=True)):
+                break
             output, step_state = act(step_state, nets, env_step)
-            source.send(np.asarray(output.action), ids)
-            _, env_step, _ = source.recv()
-            finished = source.pop_episodes()
-            if finished:  # the tracker lists ended episodes in env order
-                ended_envs = np.flatnonzero(np.asarray(env_step.terminated | env_step.truncated))
-                for i, episode in zip(ended_envs, finished, strict=True):
-                    if len(per_env[i]) < quota[i]:
-                        per_env[i].append(episode)
-                if all(len(eps) == q for eps, q in zip(per_env, quota, strict=True)):
-                    break
+            source.send(np.asarray(output.action), env_ids)
         else:
             done = sum(len(eps) for eps in per_env)
             raise RuntimeError(f"only {done} of {num_episodes} episodes ended within "
@@ -94,6 +100,30 @@ def evaluate(
         registry.close_all(sources)
     ended = [episode for eps in per_env for episode in eps]
     return EvaluationResult([r for r, _ in ended], [n for _, n in ended])
+
+
+def _one_group(sources: list, vectorization: str, num_envs: int):
+    """The one source of one group of `num_envs` envs evaluation drives."""
+    if len(sources) != 1 or sources[0].num_groups != 1 or sources[0].num_envs != num_envs:
+        groups = sum(s.num_groups for s in sources)
+        raise ValueError(
+            f"evaluate drives one source of one group of {num_envs} envs, but vectorization "
+            f"{vectorization!r} made {len(sources)} source(s) of {groups} group(s) in all")
+    return sources[0]
+
+
+def _in_env_order(ids: np.ndarray, env_step, vectorization: str):
+    """(the envs whose episode ended in recv's rows, in row order; the rows in env order:
+    row i is env i). A source of one group returns every env at each recv, in any order."""
+    ids = np.asarray(ids)
+    ended = ids[np.flatnonzero(np.asarray(env_step.terminated | env_step.truncated))]
+    order = np.argsort(ids, kind="stable")
+    if not np.array_equal(ids[order], np.arange(len(ids))):
+        raise RuntimeError(f"vectorization {vectorization!r}'s recv returned envs "
+                           f"{sorted(ids.tolist())}, not each of its group's envs once")
+    if not np.array_equal(order, np.arange(len(ids))):
+        env_step = jax.tree.map(lambda x: np.asarray(x)[order], env_step)
+    return ended, env_step
 
 
 def evaluation_vectorization(vectorization: str) -> str:

@@ -123,8 +123,10 @@ class Reporter:
         now = time.monotonic()
         if now - self._last_write < self.every_seconds:
             return
-        recent = [r for _, r, _ in info.accounting.recent_episodes(self._episodes_seen)]
-        self._episodes_seen = info.accounting.episodes_total
+        # One read of the episodes and their total: an episode that ends between two reads
+        # would be counted in the total without ever being reported.
+        episodes, self._episodes_seen = info.accounting.episodes_since(self._episodes_seen)
+        recent = [r for _, r, _ in episodes]
         sps = (step - self._last_steps) / (now - self._last_write)
         self._last_write, self._last_steps = now, step
         scalars = {f"learner/{k}": v for k, v in info.metrics.items()}

@@ -46,6 +46,17 @@ def test_bad_config_is_rejected(kwargs, message):
         sebulba.Config(**{"env": COUNTING, **kwargs})
 
 
+def test_lockstep_refuses_drops_that_would_leave_an_update_short():
+    # Lockstep's next cycle waits for the update that learns from this one: a trajectory
+    # dropped from a full queue would leave an update of two one short for ever.
+    lockstep = {"env": COUNTING, "lockstep": True, "async_factor": 1, "drop_when_full": True}
+    with pytest.raises(ValueError, match=r"lockstep with drop_when_full needs "
+                                         r"trajectories_per_update=1, got 2"):
+        sebulba.Config(**lockstep, trajectories_per_update=2)
+    sebulba.Config(**lockstep)  # one trajectory per update: nothing can be left short
+    sebulba.Config(**{**lockstep, "drop_when_full": False}, trajectories_per_update=2)
+
+
 class DictObsEnv(CountingEnv):
     observation_space = gym.spaces.Dict({"x": gym.spaces.Box(0, 1, (2,), np.float32)})
 

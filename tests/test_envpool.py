@@ -215,3 +215,111 @@ def test_ppo_balances_envpools_mujoco_inverted_pendulum(no_leftovers):
     result = sebulba.Sebulba(agent, config).run(150_000)
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
     assert result.mean_return(0.9, 1.0) >= 800, result.summary()
+
+
+class ByEnv(NamedTuple):
+    count: jax.Array  # [E] actions taken by each env
+    env: jax.Array  # [E] the env's index
+
+
+class ByEnvPolicy(sebulba.Agent):
+    """A fixed policy that tells the envs apart: even envs push one way (the pole falls,
+    terminated within 20 steps), odd ones push the way the pole leans (it stays up until
+    the episode limit of 20: truncated). An odd env acting on another env's observation
+    lets its pole fall."""
+
+    def new_networks(self, key):
+        return {}
+
+    def new_step_state(self, nets, key, num_envs):
+        return ByEnv(jnp.zeros(num_envs, jnp.int32), jnp.arange(num_envs, dtype=jnp.int32))
+
+    def new_opt_state(self, nets, key):
+        return ()
+
+    def new_experience_state(self, nets, key, layout):
+        return ()
+
+    def step(self, step_state, nets, env_step):
+        angle, angular_velocity = env_step.obs[:, 2], env_step.obs[:, 3]
+        balance = (angle + 0.5 * angular_velocity > 0).astype(jnp.int32)
+        action = jnp.where(step_state.env % 2 == 0, 1, balance)
+        return (sebulba.ActorOutput(action.astype(jnp.int32)),
+                step_state._replace(count=step_state.count + 1))
+
+    greedy_step = step
+
+    def update_experience(self, experience, initial, final, trajectory, nets):
+        return experience
+
+    def loss(self, nets, opt, experience):
+        return jnp.zeros(()), (experience, {})
+
+    def optimize_from_grads(self, nets, opt, grads):
+        return nets, opt
+
+
+class _Shuffled:
+    """An EnvPool whose recv returns its envs in a random order (as a pool may: whichever
+    finished first), through EnvPool's Python recv."""
+
+    def __init__(self, pool):
+        self._pool, self._rng = pool, np.random.default_rng(0)
+
+    def recv(self):
+        obs, reward, terminated, truncated, info = self._pool.recv()
+        p = self._rng.permutation(len(reward))
+        return obs[p], reward[p], terminated[p], truncated[p], {
+            "env_id": np.asarray(info["env_id"])[p]}
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+@pytest.mark.timeout(120)
+def test_a_policy_trained_on_envpool_is_evaluated_on_envpool():
+    from sebulba.envs import registry
+    from sebulba.evaluation import evaluate, evaluation_vectorization
+
+    assert evaluation_vectorization("envpool") == "envpool"  # its spaces, its env ids
+    num_envs, per_env = 6, 3
+    results = {}
+    for vectorization in ("envpool", "sync"):
+        agent = ByEnvPolicy(sebulba.env_spec("CartPole-v1", KWARGS, vectorization))
+        kind = registry.get(vectorization)
+        seen = []  # the order of each recv's ids, to show EnvPool's are reordered
+        make_sources = kind.make_sources
+
+        def recording(request, make_sources=make_sources, seen=seen,
+                      shuffle=vectorization == "envpool"):
+            sources = make_sources(request)
+            if shuffle:  # EnvPool may return its envs in any order
+                sources[0].pool, sources[0]._raw = _Shuffled(sources[0].pool), None
+            recv = sources[0].recv
+
+            def recv_and_record():
+                ids, env_step, steps = recv()
+                seen.append(tuple(ids.tolist()))
+                return ids, env_step, steps
+
+            sources[0].recv = recv_and_record
+            return sources
+
+        object.__setattr__(kind, "make_sources", recording)
+        try:
+            result = evaluate(agent, {}, "CartPole-v1", num_envs * per_env, num_envs=num_envs,
+                              seed=3, env_kwargs=KWARGS, vectorization=vectorization)
+        finally:
+            object.__setattr__(kind, "make_sources", make_sources)
+        assert all(sorted(ids) == list(range(num_envs)) for ids in seen)
+        if vectorization == "envpool":
+            assert sum(list(ids) != sorted(ids) for ids in seen) > len(seen) // 2
+        # Env by env, `per_env` complete episodes each; CartPole pays 1 a step.
+        assert len(result.returns) == num_envs * per_env
+        assert result.returns == [float(n) for n in result.lengths]
+        lengths = np.reshape(result.lengths, (num_envs, per_env))
+        assert (lengths[1::2] == EPISODE_LIMIT).all(), lengths  # odd envs: balanced
+        assert (lengths[0::2] < EPISODE_LIMIT).all() and (lengths[0::2] >= 5).all(), lengths
+        results[vectorization] = lengths
+    # The same policy on the same task: the even envs fall as fast on either.
+    assert abs(results["envpool"][0::2].mean() - results["sync"][0::2].mean()) <= 2.0, results

@@ -1,5 +1,7 @@
 """Evaluation reports complete episodes, a fixed number per env."""
 
+import dataclasses
+
 import gymnasium as gym
 import jax
 import numpy as np
@@ -40,3 +42,37 @@ def test_each_env_runs_its_share_of_episodes_so_short_ones_are_not_favoured():
     assert result.lengths == [2] * 3 + [20] * 3
     # more envs than episodes: only as many envs as episodes run
     assert evaluate(agent, nets, ShortOrLong, 1, num_envs=8, seed=1).returns == [20.0]
+
+
+@pytest.mark.timeout(60)
+def test_multi_agent_kinds_and_sources_of_several_groups_are_refused():
+    from sebulba.envs import registry
+    from tests.test_env_registry import SIGN, SignSource
+
+    agent = SPG(sebulba.env_spec(ShortOrLong))
+    nets = agent.new_networks(jax.random.key(0))
+    with pytest.raises(ValueError, match="single-agent envs, so not vectorization 'pettingzoo'"):
+        evaluate(agent, nets, "mpe2.simple_spread_v3", 2, vectorization="pettingzoo")
+    made = []
+
+    def two_groups(request):  # a source that ignores the request's one group
+        made.append(SignSource(2, request.group_size, request.seed))
+        return [made[-1]]
+
+    def two_sources(request):
+        made.extend(SignSource(1, request.group_size, request.seed) for _ in range(2))
+        return made[-2:]
+
+    for name, make, what in [("test_two_groups", two_groups, r"1 source\(s\) of 2 group\(s\)"),
+                             ("test_two_sources", two_sources, r"2 source\(s\) of 2 group\(s\)")]:
+        registry.register(dataclasses.replace(SIGN, name=name, make_sources=make,
+                                              evaluate_as=name))
+        try:
+            agent = SPG(sebulba.env_spec("sign", vectorization=name))
+            with pytest.raises(ValueError, match=f"one source of one group of 4 envs, but "
+                                                 f"vectorization '{name}' made {what}"):
+                evaluate(agent, agent.new_networks(jax.random.key(0)), "sign", 4, num_envs=4,
+                         vectorization=name)
+        finally:
+            registry.unregister(name)
+    assert made and all(source.closed for source in made)

@@ -76,3 +76,72 @@ def test_accounting_keeps_bounded_records_and_whole_run_totals():
     assert len(acc.recent_episodes(0)) == EPISODE_WINDOW  # at most the window
     assert len(acc.policy_lags) == min(LAG_WINDOW, n // 100)
     assert acc.lag_max == 6 and acc.lag_sum == sum(i % 7 for i in range(n // 100))
+
+
+class _EpisodeEndsAfterEachRead:
+    """An Accounting whose inferencer thread ends an episode right after each of the
+    reporter's reads: the interleaving that lost episodes when the reporter read the
+    recent episodes and the total apart."""
+
+    def __init__(self):
+        from sebulba.runtime.accounting import Accounting
+
+        self.accounting = Accounting()
+        self.consumed = 0
+        self.ended = 0
+
+    def _end_one(self) -> None:
+        self.ended += 1
+        self.accounting.add_episodes([(float(self.ended), self.ended)])
+
+    def recent_episodes(self, since_total):
+        episodes = self.accounting.recent_episodes(since_total)
+        self._end_one()
+        return episodes
+
+    def episodes_since(self, since_total):
+        read = self.accounting.episodes_since(since_total)
+        self._end_one()
+        return read
+
+    def __getattr__(self, name):  # episodes_total and the rest
+        return getattr(self.accounting, name)
+
+
+@pytest.mark.timeout(60)
+def test_the_reporter_reports_every_episode_once():
+    import types
+
+    accounting = _EpisodeEndsAfterEachRead()
+    rows = []
+    writer = types.SimpleNamespace(write=lambda step, scalars: rows.append(dict(scalars)),
+                                   close=lambda: None)
+    reporter = Reporter(100, writer, every_seconds=0.0, progress=False)
+    info = types.SimpleNamespace(accounting=accounting, metrics={}, version=1)
+    for _ in range(5):
+        reporter(info)
+    reporter.close()
+    reported = sum(r.get("episode/count", 0) for r in rows)
+    # Every episode but the one that ended after the last read (the next report's).
+    assert reported == accounting.episodes_total - 1 == 4
+    # Episodes 1..4, each once: their returns are their numbers.
+    assert sum(r.get("episode/return", 0.0) * r.get("episode/count", 0) for r in rows) == 10.0
+
+
+@pytest.mark.timeout(60)
+def test_team_episodes_are_counted_over_the_run_not_the_window(monkeypatch):
+    from sebulba.runtime import accounting as accounting_module
+
+    monkeypatch.setattr(accounting_module, "EPISODE_WINDOW", 10)
+    acc = accounting_module.Accounting()
+    for i in range(25):
+        acc.add_env_steps(8)
+        acc.add_team_episodes(0, [(float(i), 4)])
+    assert len(acc.team_episodes) == 10 and acc.team_episodes_total == 25
+    result = accounting_module.RunResult(
+        env_steps=acc.env_steps, consumed=acc.env_steps, dropped=0, in_flight=0,
+        wall_seconds=1.0, episodes=[], policy_lags=[], stage_seconds={}, learner_updates=1,
+        metrics={}, agents_per_env=2, team_episodes=list(acc.team_episodes),
+        team_episodes_total=acc.team_episodes_total)
+    assert result.as_dict()["team_episodes"] == 25
+    assert "25 env episodes" in result.summary()

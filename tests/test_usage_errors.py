@@ -260,8 +260,7 @@ def test_the_progress_bar_shows_returns_in_significant_digits():
     from sebulba.metrics import Reporter
 
     accounting = types.SimpleNamespace(
-        consumed=64, episodes_total=2,
-        recent_episodes=lambda since: [(10, 0.0123, 5), (20, 0.0741, 5)][since:])
+        consumed=64, episodes_since=lambda since: ([(10, 0.0123, 5), (20, 0.0741, 5)][since:], 2))
     info = types.SimpleNamespace(accounting=accounting, metrics={}, version=1)
     reporter = Reporter(1000, every_seconds=0.0, progress=True)
     try:

@@ -34,8 +34,9 @@ def reals(config: Any, *names: str, low: float | None = None, high: float | None
     bound on that side)."""
     for name in names:
         value = getattr(config, name)
-        above = low is None or (value > low if open_low else value >= low)
-        if not (isinstance(value, int | float) and above and (high is None or value <= high)):
+        number = isinstance(value, int | float)  # compared only then: "1e-3" < 0 raises
+        above = number and (low is None or (value > low if open_low else value >= low))
+        if not (above and (high is None or value <= high)):
             raise ValueError(f"{name} must be {expected or _interval(low, high, open_low)}, "
                              f"got {value!r}")
 

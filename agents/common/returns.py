@@ -12,18 +12,28 @@ import jax
 import jax.numpy as jnp
 
 
-def action_mask(terminated: jax.Array, truncated: jax.Array) -> jax.Array:
-    """Which of the first T actions the env acted on.
+def action_mask(terminated: jax.Array, truncated: jax.Array,
+                first: jax.Array | None = None) -> jax.Array:
+    """Which of the first T actions the env acted on (and, with `first`, whose outcome
+    the stream holds).
 
     Args:
       terminated: [T + 1] bool.
       truncated: [T + 1] bool.
+      first: [T + 1] bool, optional. Where step t + 1 is `first` although step t was not
+        last (a seam: a stream that joins what was recorded before a resume to the reset
+        envs after it), the action at t led to a step that is not in the stream.
 
     Returns:
-      [T] float32, 0 where step t was the last of an episode (its action was ignored).
+      [T] float32, 0 where step t was the last of an episode (its action was ignored) or,
+      with `first`, where step t + 1 starts an episode.
     """
     chex.assert_equal_shape((terminated, truncated))
-    return 1.0 - (terminated[:-1] | truncated[:-1]).astype(jnp.float32)
+    cut = terminated[:-1] | truncated[:-1]
+    if first is not None:
+        chex.assert_equal_shape((terminated, first))
+        cut = cut | first[1:]
+    return 1.0 - cut.astype(jnp.float32)
 
 
 def bootstrapped_returns(

@@ -67,12 +67,15 @@ class EnvSourceKind:
       needs_env_id: refuses env factories.
       wraps_each_env: makes each env itself, so `env_wrappers` and `desync_episodes` apply.
       steps_in_order: recv returns every env of a group, in id order: needed by
-        `Config.lockstep` and by evaluation.
+        `Config.lockstep`. (Evaluation needs less: one source of one group whose recv
+        returns all its envs, in any order, as EnvPool's does when its batch is all of
+        them.)
       multi_agent: K agents per env as K rows; `Config.agent_ids` applies.
       env_processes: envs step in worker processes, which need the cores a polling
         inferencer thread would hold (`Config.action_poll_s` defaults to 0).
       evaluate_as: the in-process kind that evaluates a policy trained on this one with
-        the same spaces (None: evaluation does not support it).
+        the same spaces (None: evaluation does not support it); it must be single-agent,
+        and make one source of one group for a request of one group.
       help: one line for the launcher's flag help.
     """
 
@@ -239,7 +242,7 @@ register(EnvSourceKind(
                                             r.env_kwargs)],
     lambda r: envpool_source.pool_spec(r.env, r.env_kwargs),
     envpool_source.check_env,
-    needs_env_id=True, steps_in_order=False, evaluate_as="sync",
+    needs_env_id=True, steps_in_order=False, evaluate_as="envpool",
     help="an EnvPool task id: one pool of async_factor groups per inference device, "
          "stepped in C++ threads, recv returning whichever envs are ready"))
 register(EnvSourceKind(

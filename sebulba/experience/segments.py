@@ -153,12 +153,6 @@ def to_segments(x: jax.Array, horizon: int) -> jax.Array:
     return x.reshape((e * (t // horizon), horizon) + x.shape[2:])
 
 
-def from_segments(x: jax.Array, num_envs: int) -> jax.Array:
-    """Inverse of `to_segments`: [E * T / H, H, ...] -> [E, T, ...]."""
-    n, h = x.shape[:2]
-    return x.reshape((num_envs, n // num_envs * h) + x.shape[2:])
-
-
 def group_by_env(x: jax.Array, agents_per_env: int, num_rows: int) -> jax.Array:
     """Reorders segments from `to_segments`' (row, chunk) order to (env, chunk, agent), so
     that the K agents of an env at one chunk are K adjacent segments.

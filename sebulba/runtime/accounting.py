@@ -29,9 +29,9 @@ LAG_WINDOW = 100_000
 class Accounting:
     """Thread-safe counters shared by the inferencer threads and the learner.
 
-    Memory is bounded: `episodes` and `policy_lags` hold the most recent
-    `EPISODE_WINDOW` / `LAG_WINDOW` records; `episodes_total`, `lag_sum` and `lag_max`
-    cover the whole run.
+    Memory is bounded: `episodes`, `team_episodes` and `policy_lags` hold the most recent
+    `EPISODE_WINDOW` / `LAG_WINDOW` records; `episodes_total`, `team_episodes_total`,
+    `lag_sum` and `lag_max` cover the whole run.
     """
 
     def __init__(self):
@@ -54,6 +54,7 @@ class Accounting:
         self.padding_steps = 0
         self.team_episodes: collections.deque[tuple[int, float, int]] = collections.deque(
             maxlen=EPISODE_WINDOW)
+        self.team_episodes_total = 0
 
     def add_env_steps(self, n: int) -> None:
         with self._lock:
@@ -73,6 +74,7 @@ class Accounting:
             self.padding_steps += padding_steps
             for ret, length in ended:
                 self.team_episodes.append((self.env_steps, ret, length))
+            self.team_episodes_total += len(ended)
 
     def add_consumed(self, n: int, policy_lag: int) -> None:
         with self._lock:
@@ -94,9 +96,17 @@ class Accounting:
     def recent_episodes(self, since_total: int) -> list[tuple[int, float, int]]:
         """The episodes that ended after the first `since_total` of the run (at most the
         window), copied under the lock (the inferencers append meanwhile)."""
+        return self.episodes_since(since_total)[0]
+
+    def episodes_since(self, since_total: int) -> tuple[list[tuple[int, float, int]], int]:
+        """(`recent_episodes(since_total)`, `episodes_total`) read together under the lock:
+        the next call passes that total, so that no episode is missed or counted twice
+        (reading the total apart would skip the episodes that end in between)."""
         with self._lock:
-            new = min(self.episodes_total - since_total, len(self.episodes))
-            return list(self.episodes)[len(self.episodes) - new:] if new > 0 else []
+            total = self.episodes_total
+            new = min(total - since_total, len(self.episodes))
+            recent = list(self.episodes)[len(self.episodes) - new:] if new > 0 else []
+            return recent, total
 
     def snapshot(self) -> tuple[list[tuple[int, float, int]], list[int]]:
         """(episodes, policy lags) of the windows, copied under the lock."""
@@ -157,7 +167,8 @@ class RunResult:
       padding_steps: agent steps of agents that had left their env's episode before the
         others (part of `env_steps`; masked out of every loss).
       team_episodes: (env_steps when it ended, team return: the sum of the env's agents'
-        returns, length in env steps) of the most recent env episodes (multi-agent only).
+        returns, length in env steps) of the most recent `EPISODE_WINDOW` env episodes
+        (multi-agent only; `team_episodes_total` counts all).
       stopped_early: the run ended on its `stop` event before consuming its steps.
     """
 
@@ -183,6 +194,7 @@ class RunResult:
     padding_steps: int = 0
     team_episodes: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
     stopped_early: bool = False
+    team_episodes_total: int = 0
 
     @property
     def team_steps(self) -> int:
@@ -240,7 +252,7 @@ class RunResult:
                 "team_steps": self.team_steps,
                 "team_steps_per_second": round(self.steps_per_second / self.agents_per_env, 1),
                 "padding_steps": self.padding_steps,
-                "team_episodes": len(self.team_episodes),
+                "team_episodes": max(self.team_episodes_total, len(self.team_episodes)),
                 "mean_team_return_last_10pct": self.mean_team_return(0.9, 1.0)}
                if self.agents_per_env > 1 else {}),
         }

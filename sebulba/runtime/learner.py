@@ -162,13 +162,13 @@ class Learner:
 
     def __init__(self, agent: Agent, devices: Sequence[jax.Device], *,
                  check_finite: bool = True, trajectories_per_update: int = 1):
-        optims = agent.num_off_policy_optims_per_cycle()
-        if not isinstance(optims, int) or isinstance(optims, bool) or optims < 0:
-            raise ValueError(
-                f"num_off_policy_optims_per_cycle() must be an int >= 0, got {optims!r}")
         k = trajectories_per_update
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"trajectories_per_update must be an int >= 1, got {k!r}")
+        optims = agent.optimizer_steps_per_update(k)
+        if not isinstance(optims, int) or isinstance(optims, bool) or optims < 0:
+            raise ValueError(
+                f"optimizer_steps_per_update({k}) must be an int >= 0, got {optims!r}")
         self.agent = agent
         self.devices = list(devices)  # the learner mesh: every process's learner devices
         self.optims_per_update = optims

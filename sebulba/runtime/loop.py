@@ -378,6 +378,7 @@ class Sebulba:
             agents_per_env=self.layout.agents_per_env,
             padding_steps=accounting.padding_steps,
             team_episodes=list(accounting.team_episodes),
+            team_episodes_total=accounting.team_episodes_total,
             learner_experience=learner.experience,
             stopped_early=run.stopped_early,
         )

@@ -1,0 +1,33 @@
+"""SPG's construction checks: every field, named with its value."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.spg import SPGConfig
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs,message", [
+    ({"hidden_sizes": (64, 0)}, r"hidden_sizes must be a tuple of ints >= 1, got \(64, 0\)"),
+    ({"hidden_sizes": [64, 64]}, r"hidden_sizes must be a tuple of ints >= 1, got \[64, 64\]"),
+    ({"learning_rate": -1}, "learning_rate must be > 0, got -1"),
+    ({"learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),
+    ({"learning_rate": "1e-3"}, "learning_rate must be > 0, got '1e-3'"),
+    ({"discount": 5.0}, r"discount must be in \[0, 1\], got 5.0"),
+    ({"discount": float("nan")}, r"discount must be in \[0, 1\], got nan"),
+    ({"value_cost": -0.5}, "value_cost must be >= 0, got -0.5"),
+    ({"entropy_cost": -0.01}, "entropy_cost must be >= 0, got -0.01"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm must be > 0, got 0.0"),
+    ({"lstm_size": -1}, r"lstm_size must be an int >= 1 \(or 0: no LSTM\), got -1"),
+    ({"lstm_size": 8.0}, r"lstm_size must be an int >= 1 \(or 0: no LSTM\), got 8.0"),
+    ({"lstm_size": True}, r"lstm_size must be an int >= 1 \(or 0: no LSTM\), got True"),
+])
+def test_bad_config_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SPGConfig(**kwargs)
+
+
+def test_good_configs_are_accepted():
+    SPGConfig()
+    SPGConfig(hidden_sizes=(), lstm_size=16, discount=1.0, value_cost=0.0, entropy_cost=0.0)
