@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -36,7 +37,15 @@ from absl import logging as absl_logging
 import sebulba
 from agents.registry import AGENTS
 from examples.config_flags import define_config_flags, define_run_flags, run_main
-from sebulba.checkpoint import Checkpointer, ProcessCheckpointer, process_directory
+from sebulba.checkpoint import (
+    Checkpointer,
+    CheckpointSaveError,
+    DamagedCheckpoint,
+    ProcessCheckpointer,
+    cause_line,
+    check_writable,
+    process_directory,
+)
 from sebulba.envs import registry
 from sebulba.metrics import Reporter, default_writers
 from sebulba.runtime import distributed
@@ -118,6 +127,50 @@ def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
             "vectorization": config.vectorization, "agent_ids": config.agent_ids}
 
 
+def run_layout(loop: sebulba.Sebulba) -> dict:
+    """What the envs' step states and the experience of a checkpoint are shaped by
+    (`sebulba.checkpoint.LAYOUT_KEYS`): a resumed run must have the same."""
+    return {"envs_per_group": loop.config.envs_per_group,
+            "async_factor": loop.config.async_factor,
+            "inference_devices": len(loop.inference_devices),
+            "num_processes": loop.num_processes,
+            "agents_per_env": loop.layout.agents_per_env,
+            "learner_devices": len(loop.local_learner_devices)}
+
+
+# The lock file of this process's run on its --logdir, open (and locked) until the process
+# ends: the kernel releases an flock when its holder dies, so a killed run never blocks
+# the next.
+_LOGDIR_LOCK: int | None = None
+
+
+def lock_logdir(logdir: str) -> None:
+    """Takes the run's lock on `logdir` (fcntl.flock of `logdir/.lock`; process i > 0 of a
+    multi-process run locks `.lock_process_i`), holding it for the process's life;
+    ValueError naming the pid that holds it if another run does."""
+    global _LOGDIR_LOCK
+    index = jax.process_index()
+    path = os.path.join(logdir, ".lock" if index == 0 else f".lock_process_{index}")
+    try:
+        os.makedirs(logdir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(f"--logdir: cannot open the lock file {path}: {cause_line(e)}"
+                         ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(
+            f"--logdir={logdir} is in use by another run (pid {holder} holds {path}): one "
+            "run per logdir; wait for it to end, or choose another --logdir") from None
+    with contextlib.suppress(OSError):  # the pid only names the holder to a second run
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _LOGDIR_LOCK = fd
+
+
 def check_agent_flags(agent_name: str) -> None:
     """UsageError for a flag of another agent (`--agent=spg --ppo_learning_rate=...`): it
     would be silently ignored."""
@@ -152,14 +205,40 @@ def no_checkpoint_error(directory: str) -> ValueError:
                       "(drop --resume to start a run there)")
 
 
-def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict) -> int:
-    """The step --resume continues from; ValueError if there is no checkpoint or it is of
-    another agent or env."""
-    step = checkpointer.latest_step()
-    if step is None:
+def skipped(damage: DamagedCheckpoint) -> None:
+    print(f"--resume: skipping checkpoint {damage.step} in {damage.directory}: it is damaged, "
+          f"its {damage.part} cannot be read ({damage.cause}); trying the one before it",
+          file=sys.stderr)
+
+
+def no_intact_error(directory: str, damaged: list[int]) -> ValueError:
+    return ValueError(f"--resume: no intact checkpoint in {directory}: every one of "
+                      f"{sorted(damaged)} is damaged (see above)")
+
+
+def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict) -> tuple[list[int],
+                                                                              list[int]]:
+    """(the steps --resume may continue from, newest first; the damaged steps passed over)
+    from the newest checkpoint whose metadata reads on: the first of them is checked
+    against the run (the same agent, env and layout). ValueError if there is no
+    checkpoint, no intact one, or the first is not this run's."""
+    steps = sorted(checkpointer.all_steps(), reverse=True)
+    if not steps:
         raise no_checkpoint_error(checkpointer.directory)
-    checkpointer.check_metadata(metadata, step)
-    return step
+    damaged = []
+    for i, step in enumerate(steps):
+        try:
+            meta = checkpointer.check_metadata(metadata, step)
+        except DamagedCheckpoint as e:
+            skipped(e)
+            damaged.append(step)
+            continue
+        if "layout" not in meta and jax.process_index() == 0:
+            print(f"checkpoint {step} in {checkpointer.directory} records no run layout (it "
+                  "was saved before checkpoints did): its envs_per_group, async_factor, "
+                  "processes and learner devices are not checked", file=sys.stderr)
+        return steps[i:], damaged
+    raise no_intact_error(checkpointer.directory, damaged)
 
 
 @contextlib.contextmanager
@@ -192,7 +271,9 @@ class Launch:
     loop: sebulba.Sebulba
     metadata: dict
     checkpointer: Checkpointer | None  # the run's checkpoints (written by process 0)
-    resume_step: int | None
+    resume_step: int | None  # the step to resume from, once `restore` has read it
+    resume_steps: list[int] = dataclasses.field(default_factory=list)  # newest first
+    damaged: list[int] = dataclasses.field(default_factory=list)  # passed over
     own: Checkpointer | None = None  # this process's part of each checkpoint
     state: sebulba.AgentState | None = None
     local_experience: object = None
@@ -264,30 +345,40 @@ def check_agent(loop: sebulba.Sebulba) -> None:
         pass
 
 
+def open_checkpoints() -> Checkpointer:
+    """The run's checkpointer in --logdir, after taking the logdir's lock and checking that
+    this process can write its checkpoints there (before any env starts); ValueError
+    naming the path otherwise."""
+    directory = os.path.join(_LOGDIR.value, "checkpoints")
+    if _RESUME.value and not os.path.isdir(directory):  # and do not create it
+        raise no_checkpoint_error(directory)
+    lock_logdir(_LOGDIR.value)
+    check_writable(process_directory(os.path.abspath(directory), jax.process_index()))
+    return Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
+
+
 def prepare(agent_config, config: sebulba.Config) -> Launch:
     """The loop (the agent checked against the env and the run, nothing compiled), its
-    checkpointer and the step to resume from; a bad combination is a UsageError."""
+    checkpointer and the steps to resume from; a bad combination is a UsageError."""
     checkpointer = None
     try:
         with quiet_info():
             loop = build(_AGENT.value, agent_config, config)
             check_agent(loop)
-            metadata = run_metadata(_AGENT.value, agent_config, config)
+            metadata = {**run_metadata(_AGENT.value, agent_config, config),
+                        "layout": run_layout(loop)}
             if _LOGDIR.value:
-                directory = os.path.join(_LOGDIR.value, "checkpoints")
-                if _RESUME.value and not os.path.isdir(directory):  # and do not create it
-                    raise no_checkpoint_error(directory)
-                checkpointer = Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
-            resume_step = None
-            if _RESUME.value or (_RESUME_IF_PRESENT.value
-                                 and checkpointer.latest_step() is not None):
-                resume_step = checkpoint_to_resume(checkpointer, metadata)
+                checkpointer = open_checkpoints()
+            steps, damaged = [], []
+            if _RESUME.value or (_RESUME_IF_PRESENT.value and checkpointer.all_steps()):
+                steps, damaged = checkpoint_to_resume(checkpointer, metadata)
     except ValueError as e:
         if checkpointer is not None:
             with quiet_info():
                 checkpointer.close()
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
-    return Launch(loop, metadata, checkpointer, resume_step)
+    return Launch(loop, metadata, checkpointer, steps[0] if steps else None,
+                  resume_steps=steps, damaged=damaged)
 
 
 def restore(launch: Launch) -> None:
@@ -304,18 +395,12 @@ def restore(launch: Launch) -> None:
             process_directory(checkpointer.directory, jax.process_index()),
             max_to_keep=_KEEP.value)
     launch.state = state
-    step = launch.resume_step
-    if step is None:
+    if not launch.resume_steps:
         return
-    like_experience = jax.tree.map(lambda x: jax.numpy.stack([x] * num_local_learners),
-                                   state.experience)
-    restored = checkpointer.restore(nets=state.nets, opt=state.opt, metadata=launch.metadata,
-                                    step=step)
-    if step not in launch.own.all_steps():
-        raise ValueError(f"--resume: checkpoint {step} has no part of process "
-                         f"{jax.process_index()} in {launch.own.directory}")
-    mine = launch.own.restore(nets=None, opt=None, metadata=launch.metadata, step=step,
-                              local_experience=like_experience, step_state=state.step_state)
+    try:
+        restored, mine = restore_intact(launch, state)
+    except ValueError as e:
+        raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
     launch.state = state._replace(
         nets=restored.nets, opt=restored.opt,
         step_state=state.step_state if mine.step_state is None else mine.step_state)
@@ -323,9 +408,53 @@ def restore(launch: Launch) -> None:
     launch.consumed = restored.counters["consumed"]
     launch.learner_updates = restored.counters.get("learner_updates", 0)
     if primary:
+        set_aside_damaged(launch)
         kept = "" if launch.local_experience is not None else "; experience starts empty"
         print(f"resumed from {checkpointer.directory} at {launch.consumed:,} env steps, "
               f"learner update {launch.learner_updates:,}{kept}")
+
+
+def restore_intact(launch: Launch, state: sebulba.AgentState):
+    """(the shared part, this process's part) of the newest intact checkpoint of
+    `launch.resume_steps`, passing over damaged ones (saying so); ValueError if none is
+    intact, or one is not this run's. Every process reads the shared part, so all see its
+    damage alike; a damaged part of one process's own in a multi-process run is an error
+    (the processes must resume from one step)."""
+    checkpointer = launch.checkpointer
+    num_local_learners = len(launch.loop.local_learner_devices)
+    like_experience = jax.tree.map(lambda x: jax.numpy.stack([x] * num_local_learners),
+                                   state.experience)
+    for step in launch.resume_steps:
+        try:
+            restored = checkpointer.restore(nets=state.nets, opt=state.opt,
+                                            metadata=launch.metadata, step=step)
+            if step not in launch.own.all_steps():
+                raise ValueError(f"--resume: checkpoint {step} has no part of process "
+                                 f"{jax.process_index()} in {launch.own.directory}")
+            mine = launch.own.restore(
+                nets=None, opt=None, metadata=launch.metadata, step=step,
+                local_experience=like_experience, step_state=state.step_state)
+        except DamagedCheckpoint as e:
+            if jax.process_count() > 1 and e.part in ("experience", "step_state"):
+                raise
+            skipped(e)
+            launch.damaged.append(step)
+            continue
+        launch.resume_step = step
+        return restored, mine
+    raise no_intact_error(checkpointer.directory, launch.damaged)
+
+
+def set_aside_damaged(launch: Launch) -> None:
+    """Moves the damaged checkpoints passed over (all newer than the one resumed) out of the
+    checkpoint directory, into `checkpoints_damaged` beside it: left there, the newest
+    would be resumed from again, and orbax saves no step below its newest."""
+    checkpointer = launch.checkpointer
+    aside = checkpointer.directory + "_damaged"
+    for step in sorted(launch.damaged):
+        if step in checkpointer.all_steps():
+            where = checkpointer.move_aside(step, aside)
+            print(f"moved the damaged checkpoint {step} to {where}", file=sys.stderr)
 
 
 def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
@@ -409,6 +538,11 @@ def main(argv: list[str]) -> None:
         return
     try:
         result = train(launch, preemption)
+    except CheckpointSaveError as e:
+        # The run stops at a failed save: it would go on without a way to keep its work.
+        if jax.process_count() == 1:
+            sys.exit(f"train.py: error: {e}")
+        distributed.end_failed_process(f"this process's run failed: {e}")
     except Exception:
         if jax.process_count() == 1:
             raise

@@ -16,10 +16,16 @@ they cannot write a part that only process i holds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
-from collections.abc import Mapping
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -27,6 +33,149 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from sebulba.types import PyTree
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that is intact but not this run's to restore: of another agent, env,
+    network shape or run layout."""
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint step that cannot be read back: a part of it is missing, truncated or
+    garbled (what orbax or tensorstore raised is the `cause`)."""
+
+    def __init__(self, directory: str, step: int, part: str, cause: BaseException):
+        self.directory, self.step, self.part = directory, step, part
+        self.cause = cause_line(cause)
+        super().__init__(f"checkpoint {step} in {directory} is damaged: its {part} cannot "
+                         f"be read ({self.cause})")
+
+
+class CheckpointSaveError(OSError):
+    """A save that failed (a full disk, a directory that became unwritable); its partial
+    directory is removed and the earlier checkpoints are intact."""
+
+
+def cause_line(error: BaseException) -> str:
+    """One line for what went wrong in orbax or tensorstore: an OS error as Python says it
+    (`[Errno 28] No space left on device`), else the error's first line."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in chain:
+        if isinstance(e, OSError) and e.errno is not None:
+            return f"[Errno {e.errno}] {e.strerror}"
+    for e in chain:  # tensorstore: "... Failed to write ...: File too large [os_error_code='27']"
+        code = re.search(r"\[os_error_code='(\d+)'\]", str(e))
+        if code:
+            return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+    text = str(chain[0]).strip()
+    first = text.splitlines()[0] if text else ""
+    status = re.match(r"([A-Z_]+): (.*)", first)
+    if status:  # tensorstore: "CODE: context: context: ...: what [source locations=...]"
+        what = re.sub(r"\s*\[(source locations|tensorstore_spec)=.*$", "", status.group(2))
+        return f"{status.group(1)}: {what.split(': ')[-1]}"[:300]
+    return f"{type(chain[0]).__name__}: {first}"[:300]
+
+
+def _closed_loop_callback(unraisable) -> bool:
+    """Whether an unraisable exception is tensorstore calling back into the event loop of
+    an orbax read or write that has already failed (the other arrays' reads or writes
+    finish after it): one traceback per array, about nothing the run can act on."""
+    return (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed")
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    hook = sys.unraisablehook
+    if getattr(hook, "_sebulba_quiet", False):
+        return
+
+    def quiet(unraisable):
+        if not _closed_loop_callback(unraisable):
+            hook(unraisable)
+
+    quiet._sebulba_quiet = True
+    sys.unraisablehook = quiet
+
+
+def check_writable(directory: str) -> None:
+    """Makes `directory` if needed and writes (and removes) a small file there, synced to
+    disk; ValueError naming the path and the cause if it cannot: a run learns that its
+    checkpoints cannot be saved before it starts, not at its first save."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"cannot save checkpoints in {directory}: it is not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot save checkpoints in {directory}: {cause_line(e)}") from None
+
+
+class _HeldOrbaxErrors(logging.Filter):
+    """Holds back the errors orbax logs (a traceback of dozens of lines) while a save is
+    under way: a failed save raises `CheckpointSaveError` with the cause in one line; a
+    save that succeeds logs them after all."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            self.held.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _orbax_errors_held() -> Iterator[_HeldOrbaxErrors]:
+    logger = logging.getLogger("absl")
+    held = _HeldOrbaxErrors()
+    logger.addFilter(held)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(held)
+
+
+# What a checkpoint's step state and experience are shaped by, recorded in its metadata
+# ("layout") by the launcher: a run of another layout would restore arrays of the wrong
+# shape (orbax restores an array as saved, whatever the target's shape). The learner
+# devices count only where the checkpoint holds experience (one part per local learner
+# device); the step states are per env.
+LAYOUT_KEYS = ("envs_per_group", "async_factor", "inference_devices", "num_processes",
+               "agents_per_env", "learner_devices")
+
+
+def layout_differences(checkpoint: Mapping[str, Any], run: Mapping[str, Any]) -> list[str]:
+    """"key checkpoint's value (this run: its value)" for each entry of the run layout in
+    which a checkpoint and a run differ; nothing when either records no layout."""
+    theirs, ours = checkpoint.get("layout"), run.get("layout")
+    if theirs is None or ours is None:
+        return []
+    keys = [k for k in LAYOUT_KEYS
+            if k != "learner_devices" or checkpoint.get("has_experience")]
+    return [f"{k} {theirs.get(k)} (this run: {ours.get(k)})" for k in keys
+            if k in theirs and theirs.get(k) != ours.get(k)]
+
+
+def _check_like(where: str, part: str, restored: PyTree, like: PyTree) -> None:
+    """CheckpointMismatch if a restored part's arrays are not shaped as the run's."""
+    saved, wanted = tree_signature(restored), tree_signature(_to_savable(like))
+    differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    if differ:
+        raise CheckpointMismatch(
+            f"{where} holds {part} of another shape: " + ", ".join(
+                f"{k} (checkpoint {saved.get(k)}, run {wanted.get(k)})" for k in differ[:5]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +272,7 @@ class Checkpointer:
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = os.path.abspath(directory)
+        _quiet_closed_loop_callbacks()  # they come before orbax raises
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
         )
@@ -175,8 +325,41 @@ class Checkpointer:
             "has_step_state": step_state is not None,
         }
         json.dumps(meta)  # fail here, not inside orbax, on metadata that is not JSON
-        self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
-        self._manager.wait_until_finished()
+        with _orbax_errors_held() as held:
+            try:
+                self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta),
+                                                                 **items))
+                self._manager.wait_until_finished()
+            except Exception as e:
+                self._remove_partial(step)
+                raise CheckpointSaveError(
+                    f"could not save checkpoint {step} in {self.directory}: {cause_line(e)}; "
+                    "the earlier checkpoints are intact") from e
+        for record in held.held:
+            logging.getLogger("absl").handle(record)
+
+    def _remove_partial(self, step: int) -> None:
+        """Removes what a failed save of `step` left: orbax's temporary directory."""
+        for tmp in ocp.path.step.all_temporary_paths(self.directory):
+            path = tmp.get()
+            if path.name.split(".")[0] == str(step):
+                shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self._manager.reload()
+
+    def move_aside(self, step: int, to: str) -> str:
+        """Moves checkpoint `step` out of the directory into `to`/<step> (a damaged step that
+        a resumed run passes over, so that it neither resumes from it nor keeps the run
+        from saving its own steps: orbax saves no step at or below its latest); returns
+        where it went."""
+        os.makedirs(to, exist_ok=True)
+        target, n = os.path.join(to, str(step)), 1
+        while os.path.exists(target):
+            n += 1
+            target = os.path.join(to, f"{step}-{n}")
+        shutil.move(os.path.join(self.directory, str(step)), target)
+        self._manager.reload()
+        return target
 
     def restore(
         self,
@@ -199,34 +382,40 @@ class Checkpointer:
         meta = self.check_metadata(metadata, step)
         where = f"checkpoint {step} in {self.directory}"
         signature = None if nets is None else tree_signature(nets)
-        if nets is not None and meta["nets_signature"] != signature:
+        if nets is not None and meta.get("nets_signature") != signature:
             differ = sorted(
-                k for k in set(signature) | set(meta["nets_signature"])
-                if signature.get(k) != meta["nets_signature"].get(k)
+                k for k in set(signature) | set(meta.get("nets_signature") or {})
+                if signature.get(k) != (meta.get("nets_signature") or {}).get(k)
             )
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"{where} holds networks of another shape: differing parameters "
                 + ", ".join(
-                    f"{k} (checkpoint {meta['nets_signature'].get(k)}, run {signature.get(k)})"
+                    f"{k} (checkpoint {(meta.get('nets_signature') or {}).get(k)}, "
+                    f"run {signature.get(k)})"
                     for k in differ[:5]
                 )
             )
         # Each part is its own item: a run that does not want one (evaluation needs no
         # optimizer, a run may start with empty experience) does not read it.
         wanted = {"nets": nets, "opt": opt,
-                  "experience": local_experience if meta["has_experience"] else None,
+                  "experience": local_experience if meta.get("has_experience") else None,
                   "step_state": step_state if meta.get("has_step_state") else None}
         wanted = {k: v for k, v in wanted.items() if v is not None}
-        items = {k: ocp.args.StandardRestore(_to_savable(v))
-                 for k, v in wanted.items() if jax.tree.leaves(v)}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        out = {k: _from_saved(restored[k], v) if k in items else v for k, v in wanted.items()}
+        out = {}
+        for k, v in wanted.items():
+            if not jax.tree.leaves(v):
+                out[k] = v
+                continue
+            args = ocp.args.Composite(**{k: ocp.args.StandardRestore(_to_savable(v))})
+            saved = self._read(step, k, lambda args=args: self._manager.restore(step, args=args))
+            _check_like(where, k, saved[k], v)
+            out[k] = _from_saved(saved[k], v)
         return Restored(
             nets=out.get("nets"),
             opt=out.get("opt"),
             local_experience=out.get("experience"),
             step_state=out.get("step_state"),
-            counters=dict(meta["counters"]),
+            counters=dict(meta.get("counters") or {}),
             metadata=meta,
         )
 
@@ -234,21 +423,28 @@ class Checkpointer:
                        ) -> dict[str, Any]:
         """The metadata of checkpoint `step` (default: the latest), after checking that a run
         whose metadata is `metadata` may restore it: the same agent and the same env
-        (`ENV_KEYS`); ValueError naming both otherwise. Reads no arrays, so a run can
-        check before it builds anything."""
+        (`ENV_KEYS`) and, where both record it, the same run layout (`LAYOUT_KEYS`);
+        `CheckpointMismatch` naming both otherwise, `DamagedCheckpoint` if the metadata
+        cannot be read. Reads no arrays, so a run can check before it builds anything."""
         step = self.latest_step() if step is None else step
         meta = self.metadata(step)
         where = f"checkpoint {step} in {self.directory}"
         if meta.get("agent") != metadata.get("agent"):
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"{where} was written by agent {meta.get('agent')!r}; this run's agent is "
                 f"{metadata.get('agent')!r}"
             )
         differ = env_differences(meta, metadata)
         if differ:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"{where} was trained on another env: {'; '.join(differ)}. Its networks "
                 "restore only into a run of the env they were trained on")
+        differ = layout_differences(meta, metadata)
+        if differ:
+            raise CheckpointMismatch(
+                f"{where} was saved by a run of another layout: {'; '.join(differ)}. Its "
+                "envs' step states (and experience) fit only that layout: resume with the "
+                "same values, or start a new run")
         return meta
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -260,7 +456,19 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no checkpoint {step} in {self.directory}; there are {self.all_steps()}")
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-        return self._manager.restore(step, args=args)["meta"]
+        meta = self._read(step, "meta", lambda: self._manager.restore(step, args=args))["meta"]
+        if not isinstance(meta, dict):
+            raise DamagedCheckpoint(self.directory, step, "meta",
+                                    ValueError(f"metadata is {type(meta).__name__}"))
+        return meta
+
+    def _read(self, step: int, part: str, read: Callable[[], Any]) -> Any:
+        """`read()`, whose failure (a missing, truncated or garbled file: whatever orbax or
+        tensorstore raises) is a `DamagedCheckpoint` naming the step and the part."""
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - any failure to read is damage
+            raise DamagedCheckpoint(self.directory, step, part, e) from e
 
     def close(self) -> None:
         self._manager.close()
@@ -306,15 +514,26 @@ class ProcessCheckpointer:
         meta = {**metadata, "counters": {k: int(v) for k, v in counters.items()},
                 "has_experience": local_experience is not None,
                 "has_step_state": step_state is not None}
+        try:
+            self._write(step, arrays, meta)
+        except OSError as e:
+            for suffix in (".npz.tmp", ".json.tmp"):
+                with contextlib.suppress(OSError):
+                    os.remove(self._path(step, suffix))
+            raise CheckpointSaveError(
+                f"could not save checkpoint {step} in {self.directory}: {cause_line(e)}; "
+                "the earlier checkpoints are intact") from e
+        for old in self.all_steps()[:-self.max_to_keep]:
+            for suffix in (".json", ".npz"):
+                os.remove(self._path(old, suffix))
+
+    def _write(self, step: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         with open(self._path(step, ".npz.tmp"), "wb") as f:
             np.savez(f, **arrays)
         os.replace(self._path(step, ".npz.tmp"), self._path(step, ".npz"))
         with open(self._path(step, ".json.tmp"), "w") as f:
             json.dump(meta, f)
         os.replace(self._path(step, ".json.tmp"), self._path(step, ".json"))  # the commit
-        for old in self.all_steps()[:-self.max_to_keep]:
-            for suffix in (".json", ".npz"):
-                os.remove(self._path(old, suffix))
 
     def restore(self, *, metadata: Mapping[str, Any], local_experience: PyTree | None = None,
                 step_state: PyTree | None = None, step: int | None = None,
@@ -326,7 +545,7 @@ class ProcessCheckpointer:
         with open(self._path(step, ".json")) as f:
             meta = json.load(f)
         if meta.get("agent") != metadata.get("agent"):
-            raise ValueError(f"checkpoint {step} in {self.directory} was written by agent "
+            raise CheckpointMismatch(f"checkpoint {step} in {self.directory} was written by agent "
                              f"{meta.get('agent')!r}; this run's agent is "
                              f"{metadata.get('agent')!r}")
         out = {}
@@ -336,7 +555,9 @@ class ProcessCheckpointer:
                     continue
                 paths, treedef = jax.tree_util.tree_flatten_with_path(like)
                 leaves = [saved[part + jax.tree_util.keystr(p)] for p, _ in paths]
-                out[part] = _from_saved(jax.tree.unflatten(treedef, leaves), like)
+                tree = jax.tree.unflatten(treedef, leaves)
+                _check_like(f"checkpoint {step} in {self.directory}", part, tree, like)
+                out[part] = _from_saved(tree, like)
         return Restored(nets=None, opt=None, local_experience=out.get("experience"),
                         step_state=out.get("step_state"), counters=dict(meta["counters"]),
                         metadata=meta)

@@ -1,0 +1,145 @@
+"""Damaged checkpoints: every way a part of a step can be damaged is named as damage, and a
+resumed run falls back to the newest intact checkpoint (or stops with one line)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sebulba.checkpoint import Checkpointer, DamagedCheckpoint
+from tests.test_launcher import run
+
+NETS = {"w": jnp.arange(4000.0).reshape(40, 100), "b": jnp.ones(7)}
+OPT = {"m": jnp.full((40, 100), 0.5)}
+META = {"agent": "ppo"}
+
+
+def _files(step_dir: str, part: str) -> list[str]:
+    if part == "meta":
+        return [os.path.join(step_dir, "meta", "metadata")]
+    # The data files of an item: tensorstore's OCDBT nodes and chunks.
+    return [p for p in glob.glob(os.path.join(step_dir, part, "**", "d", "*"), recursive=True)
+            if os.path.isfile(p)]
+
+
+def damage(step_dir: str, part: str, how: str) -> None:
+    """Damages checkpoint part `part` ("nets", "opt", "meta", or "step" for the whole step
+    directory emptied) of `step_dir`: truncated, deleted or garbled (overwritten with
+    random bytes, as a bad disk block reads back)."""
+    if part == "step":
+        for name in os.listdir(step_dir):
+            path = os.path.join(step_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        return
+    files = _files(step_dir, part)
+    assert files, (step_dir, part)
+    rng = np.random.default_rng(0)
+    for path in files:
+        if how == "deleted":
+            os.remove(path)
+        elif how == "truncated":
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        else:
+            size = os.path.getsize(path)
+            with open(path, "wb") as f:
+                f.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+
+
+DAMAGE = [(part, how) for part in ("nets", "opt", "meta")
+          for how in ("truncated", "deleted", "garbled")] + [("step", "emptied")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("part,how", DAMAGE)
+def test_each_damage_of_each_part_is_named_and_the_step_before_restores(tmp_path, part, how):
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)
+    for step in (1, 2):
+        checkpointer.save(step, nets=jax_tree_times(NETS, step), opt=OPT,
+                          counters={"consumed": step}, metadata=META)
+    damage(str(tmp_path / "2"), part, how)
+    checkpointer.close()
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)  # as a new run reads it
+    # Without the fix: tensorstore's OUT_OF_RANGE / DATA_LOSS ValueError, a JSON or
+    # unicode error, FileNotFoundError or KeyError, none naming the step or the part.
+    with pytest.raises(DamagedCheckpoint) as info:
+        checkpointer.restore(nets=NETS, opt=OPT, metadata=META, step=2)
+    error = info.value
+    assert error.step == 2 and error.directory == str(tmp_path)
+    assert error.part == ("meta" if part in ("meta", "step") else part)
+    assert str(error).startswith(f"checkpoint 2 in {tmp_path} is damaged: its {error.part} "
+                                 "cannot be read (")
+    assert "\n" not in str(error)
+    restored = checkpointer.restore(nets=NETS, opt=OPT, metadata=META, step=1)
+    np.testing.assert_array_equal(restored.nets["w"], NETS["w"])
+    checkpointer.close()
+
+
+def jax_tree_times(tree, k):
+    return {name: x * k for name, x in tree.items()}
+
+
+SMALL = ["--envs_per_group=8", "--steps_per_cycle=8", "--progress=false",
+         "--log_every_seconds=0", "--ppo_hidden_sizes=16"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> str:
+    """A launcher run's logdir with checkpoints 1024, 2048 and 3008."""
+    logdir = str(tmp_path_factory.mktemp("trained") / "run")
+    result = run("examples.train", f"--logdir={logdir}", "--total_env_steps=3000",
+                 "--checkpoint_every_steps=1000", "--keep_checkpoints=3", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return logdir
+
+
+def steps_in(directory: str) -> list[int]:
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+@pytest.mark.timeout(300)
+def test_resume_falls_back_to_the_newest_intact_checkpoint(trained, tmp_path):
+    logdir = str(tmp_path / "run")
+    shutil.copytree(trained, logdir)
+    checkpoints = os.path.join(logdir, "checkpoints")
+    newest, second, oldest = steps_in(checkpoints)[::-1]
+    damage(os.path.join(checkpoints, str(newest)), "nets", "truncated")
+    damage(os.path.join(checkpoints, str(second)), "step", "emptied")
+    result = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=4000",
+                 "--checkpoint_every_steps=1000", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"--resume: skipping checkpoint {newest} in {checkpoints}: it is damaged, its "
+            "nets cannot be read (OUT_OF_RANGE: ") in result.stderr
+    assert (f"--resume: skipping checkpoint {second} in {checkpoints}: it is damaged, its "
+            "meta cannot be read (KeyError: ") in result.stderr
+    assert f"resumed from {checkpoints} at {oldest:,} env steps" in result.stdout
+    # The damaged steps are set aside (not deleted), and the run saved its own after them.
+    assert steps_in(checkpoints + "_damaged") == [second, newest]
+    assert steps_in(checkpoints)[-1] >= 4000
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(200)
+def test_resume_with_no_intact_checkpoint_stops_with_one_line_naming_the_directory(
+        trained, tmp_path):
+    logdir = str(tmp_path / "run")
+    shutil.copytree(trained, logdir)
+    checkpoints = os.path.join(logdir, "checkpoints")
+    for step, (part, how) in zip(steps_in(checkpoints), [("meta", "garbled"),
+                                                         ("opt", "deleted"),
+                                                         ("nets", "garbled")], strict=True):
+        damage(os.path.join(checkpoints, str(step)), part, how)
+    result = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=4000",
+                 *SMALL)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == [f"train.py: error: --resume: no intact checkpoint in {checkpoints}: every "
+                      f"one of {steps_in(checkpoints)} is damaged (see above)"]
+    assert result.stderr.count("--resume: skipping checkpoint") == 3
+    assert "Traceback" not in result.stderr and "env steps" not in result.stdout
+    assert steps_in(checkpoints) == steps_in(os.path.join(trained, "checkpoints"))  # untouched
