@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -87,7 +88,20 @@ def _closed_loop_callback(unraisable) -> bool:
             and str(unraisable.exc_value) == "Event loop is closed")
 
 
+class _OrbaxTaskLeftovers(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for orbax's array reads and
+    writes: when one array of a save or restore fails, orbax raises it and leaves the
+    others' tasks, whose errors (the same cause, already reported) asyncio logs when they
+    are collected, after the run's one-line error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Task exception was never retrieved" in message and "orbax" in message)
+
+
 def _quiet_closed_loop_callbacks() -> None:
+    """Installs, once per process, the filters of what failed orbax reads and writes leave
+    behind (`_closed_loop_callback`, `_OrbaxTaskLeftovers`)."""
     hook = sys.unraisablehook
     if getattr(hook, "_sebulba_quiet", False):
         return
@@ -98,6 +112,7 @@ def _quiet_closed_loop_callbacks() -> None:
 
     quiet._sebulba_quiet = True
     sys.unraisablehook = quiet
+    logging.getLogger("asyncio").addFilter(_OrbaxTaskLeftovers())
 
 
 def check_writable(directory: str) -> None:
@@ -338,12 +353,24 @@ class Checkpointer:
         for record in held.held:
             logging.getLogger("absl").handle(record)
 
-    def _remove_partial(self, step: int) -> None:
-        """Removes what a failed save of `step` left: orbax's temporary directory."""
-        for tmp in ocp.path.step.all_temporary_paths(self.directory):
-            path = tmp.get()
-            if path.name.split(".")[0] == str(step):
+    def _remove_partial(self, step: int, settle_s: float = 0.3, limit_s: float = 10.0) -> None:
+        """Removes what a failed save of `step` left: orbax's temporary directory. The
+        writes of other arrays may still land after the first one failed (and recreate
+        the directory), so it is removed until it stays gone for `settle_s`."""
+        deadline = time.monotonic() + limit_s
+        gone_since = None
+        while time.monotonic() < deadline:
+            partial = [tmp.get() for tmp in ocp.path.step.all_temporary_paths(self.directory)
+                       if tmp.get().name.split(".")[0] == str(step)]
+            for path in partial:
                 shutil.rmtree(path, ignore_errors=True)
+            if partial:
+                gone_since = None
+            elif gone_since is None:
+                gone_since = time.monotonic()
+            elif time.monotonic() - gone_since >= settle_s:
+                break
+            time.sleep(0.05)
         with contextlib.suppress(Exception):
             self._manager.reload()
 

@@ -84,7 +84,9 @@ def test_flags_set_every_kind_of_config_field():
         "action_poll_s": 0.001,
         "env_wrappers": ("ClipReward(max_reward=0.5)", "TimeAwareObservation")}
     assert {f.name for f in dataclasses.fields(sebulba.Config)} == set(values)
-    config = sebulba.Config(**values)
+    # Every value as parsed, but one learner update per trajectory: lockstep refuses drops
+    # when an update waits for several.
+    config = sebulba.Config(**{**values, "trajectories_per_update": 1})
     assert config.resolved_global_learner_devices()[1] == config.resolved_inference_devices()[0]
 
 

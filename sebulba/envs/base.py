@@ -3,8 +3,8 @@ of one env step (spaces checked, actions to the env, episode bookkeeping)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -181,3 +181,16 @@ def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
         truncated=flags,
         first=flags,
     )
+
+
+def close_all(closeables: Sequence[Any]) -> None:
+    """Closes each of `closeables` (env sources, envs), even if closing one raises (the
+    first error is re-raised)."""
+    error = None
+    for closeable in closeables:
+        try:
+            closeable.close()
+        except Exception as e:  # noqa: BLE001 - the others must still be closed
+            error = error or e
+    if error is not None:
+        raise error

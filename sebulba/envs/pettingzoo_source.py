@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from sebulba.envs import observations
-from sebulba.envs.base import action_to_env, check_spaces
+from sebulba.envs.base import action_to_env, check_spaces, close_all
 from sebulba.types import EnvSpec, EnvStep
 
 ParallelEnvFactory = Callable[[], Any]
@@ -256,14 +256,7 @@ class ParallelEnvSource:
 
 def close_parallel_envs(envs: list[Any]) -> None:
     """Closes every env, even if closing one raises (the first error is re-raised)."""
-    error = None
-    for env in envs:
-        try:
-            env.close()
-        except Exception as e:  # noqa: BLE001 - the others must still be closed
-            error = error or e
-    if error is not None:
-        raise error
+    close_all(envs)
 
 
 def make_parallel_envs(env: str | ParallelEnvFactory, env_kwargs: Mapping[str, Any] | None,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sebulba.envs import envpool_source, gymnasium_source, pettingzoo_source
-from sebulba.envs.base import EnvSource
+from sebulba.envs.base import EnvSource, close_all
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
 from sebulba.types import EnvSpec
 
@@ -209,18 +209,6 @@ def _pettingzoo_sources(request: SourceRequest) -> list[EnvSource]:
         close_all(sources)
         raise
     return sources
-
-
-def close_all(sources: Sequence[EnvSource]) -> None:
-    """Closes every source, even if closing one raises (the first error is re-raised)."""
-    error = None
-    for source in sources:
-        try:
-            source.close()
-        except Exception as e:  # noqa: BLE001 - the others must still be closed
-            error = error or e
-    if error is not None:
-        raise error
 
 
 register(EnvSourceKind(
