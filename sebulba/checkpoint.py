@@ -90,13 +90,17 @@ def _closed_loop_callback(unraisable) -> bool:
 
 class _OrbaxTaskLeftovers(logging.Filter):
     """Drops asyncio's "Task exception was never retrieved" for orbax's array reads and
-    writes: when one array of a save or restore fails, orbax raises it and leaves the
-    others' tasks, whose errors (the same cause, already reported) asyncio logs when they
-    are collected, after the run's one-line error."""
+    writes (tensorstore's, named by their spec): when one array of a save or restore
+    fails, orbax raises it and leaves the others' tasks, whose errors (the same cause,
+    already reported) asyncio logs when they are collected, after the run's one-line
+    error."""
+
+    _CHECKPOINT_IO = re.compile(r"orbax|tensorstore|ocdbt|zarr|\"driver\"", re.IGNORECASE)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not ("Task exception was never retrieved" in message and "orbax" in message)
+        return not ("Task exception was never retrieved" in message
+                    and self._CHECKPOINT_IO.search(message))
 
 
 def _quiet_closed_loop_callbacks() -> None:
