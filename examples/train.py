@@ -271,7 +271,6 @@ class Launch:
     loop: sebulba.Sebulba
     metadata: dict
     checkpointer: Checkpointer | None  # the run's checkpoints (written by process 0)
-    resume_step: int | None  # the step to resume from, once `restore` has read it
     resume_steps: list[int] = dataclasses.field(default_factory=list)  # newest first
     damaged: list[int] = dataclasses.field(default_factory=list)  # passed over
     own: Checkpointer | None = None  # this process's part of each checkpoint
@@ -377,7 +376,7 @@ def prepare(agent_config, config: sebulba.Config) -> Launch:
             with quiet_info():
                 checkpointer.close()
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
-    return Launch(loop, metadata, checkpointer, steps[0] if steps else None,
+    return Launch(loop, metadata, checkpointer,
                   resume_steps=steps, damaged=damaged)
 
 
@@ -440,7 +439,6 @@ def restore_intact(launch: Launch, state: sebulba.AgentState):
             skipped(e)
             launch.damaged.append(step)
             continue
-        launch.resume_step = step
         return restored, mine
     raise no_intact_error(checkpointer.directory, launch.damaged)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from sebulba.agent import Agent
 from sebulba.envs import registry
+from sebulba.envs.base import close_all
 from sebulba.envs.gymnasium_source import EnvFactory
 from sebulba.types import Nets
 
@@ -97,7 +98,7 @@ def evaluate(
             raise RuntimeError(f"only {done} of {num_episodes} episodes ended within "
                                f"{max_env_steps} steps")
     finally:
-        registry.close_all(sources)
+        close_all(sources)
     ended = [episode for eps in per_env for episode in eps]
     return EvaluationResult([r for r, _ in ended], [n for _, n in ended])
 

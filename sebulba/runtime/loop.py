@@ -17,7 +17,7 @@ from sebulba.agent import Agent, Layout
 from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
-from sebulba.envs.base import EnvSource
+from sebulba.envs.base import EnvSource, close_all
 from sebulba.runtime import sharding
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
@@ -417,7 +417,7 @@ class Sebulba:
                         f"{group - d * cfg.async_factor} groups for device {device}, "
                         f"asked for {cfg.async_factor}")
         except BaseException:
-            registry.close_all([source for _, _, source in sources])
+            close_all([source for _, _, source in sources])
             raise
         return sources
 
@@ -448,7 +448,7 @@ class Sebulba:
                     action_poll_s=cfg.action_poll_seconds,
                 ))
         except BaseException:
-            registry.close_all([source for _, _, source in sources])
+            close_all([source for _, _, source in sources])
             raise
         return runners
 
