@@ -481,21 +481,22 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
         last_info = info
         reporter(info)
         step = reporter.global_step(info)
-        if own is not None and step >= next_save:
+        # A stopped run saves at once, before its threads and envs are shut down, to
+        # stay within the grace.
+        if own is not None and (step >= next_save or preemption.event.is_set()):
             save(step, info)
             next_save = step + _CHECKPOINT_EVERY.value
 
     try:
-        with preemption:
-            result = launch.loop.run(
-                _TOTAL_ENV_STEPS.value - launch.consumed, launch.state, on_update=on_update,
-                local_experience=launch.local_experience, stop=preemption.event,
-                progress_timeout_s=_PROGRESS_TIMEOUT.value,
-                learner_updates=launch.learner_updates)
-            if own is not None and last_info is not None:
-                step = reporter.global_step(last_info)
-                if step not in own.all_steps():
-                    save(step, last_info)
+        result = launch.loop.run(
+            _TOTAL_ENV_STEPS.value - launch.consumed, launch.state, on_update=on_update,
+            local_experience=launch.local_experience, stop=preemption.event,
+            progress_timeout_s=_PROGRESS_TIMEOUT.value,
+            learner_updates=launch.learner_updates)
+        if own is not None and last_info is not None:
+            step = reporter.global_step(last_info)
+            if step not in own.all_steps():
+                save(step, last_info)
     finally:
         reporter.close()
         launch.close()
@@ -514,8 +515,10 @@ def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) ->
         # a job script can requeue the run on one exit code.
         why = (signal.Signals(preemption.signum).name if preemption.signum is not None
                else "a signal to another process of the run")
-        saved = (f"; checkpoint in {launch.checkpointer.directory}"
-                 if launch.checkpointer is not None else "")
+        saved = ""
+        if launch.checkpointer is not None:
+            saved = (f"; checkpoint in {launch.checkpointer.directory}"
+                     if launch.checkpointer.all_steps() else "; no checkpoint saved")
         print(f"stopped by {why} after {consumed:,} env steps{saved}", file=sys.stderr)
         sys.exit(preemption.exit_code or 128 + signal.SIGTERM)
 
@@ -524,10 +527,21 @@ def main(argv: list[str]) -> None:
     # Every bad value is reported before envs, threads or devices start.
     check_command_line(argv)
     agent_config, config = make_config()
-    launch = prepare(agent_config, config)
-    # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt).
-    preemption = Preemption(_GRACE.value)
-    restore(launch)
+    # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt); one
+    # that comes before training starts ends the launcher with one line.
+    with Preemption(_GRACE.value) as preemption:
+        launch = prepare(agent_config, config)
+        restore(launch)
+        if preemption.signum is not None:
+            launch.close()
+            print(f"stopped by {signal.Signals(preemption.signum).name} before training "
+                  "started", file=sys.stderr)
+            sys.exit(preemption.exit_code)
+        train_and_report(launch, preemption)
+
+
+def train_and_report(launch: Launch, preemption: Preemption) -> None:
+    """`train`, its errors as one line (or as this process's end in a cluster), `report`."""
     if launch.consumed >= _TOTAL_ENV_STEPS.value:
         if jax.process_index() == 0:
             print(f"nothing to do: {launch.consumed:,} of {_TOTAL_ENV_STEPS.value:,} env "

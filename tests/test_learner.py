@@ -35,7 +35,7 @@ def test_nothing_recompiles_after_the_first_cycles(no_leftovers):
 
     def listener(event, duration, **kwargs):
         if event == dispatch.BACKEND_COMPILE_EVENT:
-            compiles.append(event)
+            compiles.append(kwargs.get("fun_name", event))  # names it in a failure
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:

@@ -156,7 +156,10 @@ class RunResult:
         `trajectories_per_update` trajectories joined; the unit of policy lag); a
         resumed run's learner version is its `run(learner_updates=)` plus these.
       optimizer_steps: optimizer steps run (learner_updates x
-        num_off_policy_optims_per_cycle(), skipped warm-up steps included).
+        num_off_policy_optims_per_cycle(), skipped warm-up steps included, less
+        `optimizer_steps_cut`).
+      optimizer_steps_cut: optimizer steps left out of a last update cut short to stop
+        by a stop event's deadline (see `Sebulba.run`'s `stop`).
       metrics: the learner's last metrics (floats).
       state: final AgentState (nets, opt, experience of the first learner device; the
         step state of all envs).
@@ -183,6 +186,7 @@ class RunResult:
     learner_updates: int
     metrics: dict[str, float]
     optimizer_steps: int = 0
+    optimizer_steps_cut: int = 0
     episodes_total: int = 0
     lag_count: int = 0  # trajectories consumed: the policy lags' count, sum and maximum
     lag_sum: int = 0
@@ -245,6 +249,8 @@ class RunResult:
             "policy_lag_max": lag_max,
             "learner_updates": self.learner_updates,
             "optimizer_steps": self.optimizer_steps,
+            **({"optimizer_steps_cut": self.optimizer_steps_cut}
+               if self.optimizer_steps_cut else {}),
             "stopped_early": self.stopped_early,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
             "metrics": self.metrics,
@@ -265,7 +271,9 @@ class RunResult:
             f"{unit} {d['env_steps']:,} = consumed {d['consumed']:,} + dropped "
             f"{d['dropped']:,} + in flight {d['in_flight']:,}",
             f"{d['wall_seconds']:.1f}s, {d['steps_per_second']:,.0f} {unit}/s, "
-            f"{d['learner_updates']} learner updates",
+            f"{d['learner_updates']} learner updates"
+            + (f" (the last cut short by {self.optimizer_steps_cut} optimizer steps to "
+               "stop in time)" if self.optimizer_steps_cut else ""),
             f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.4g}",
             f"policy lag mean {d['policy_lag_mean']:.2f}, max {d['policy_lag_max']}",
             f"time by stage (summed over threads): {stages}",

@@ -30,6 +30,7 @@ included.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -46,11 +47,12 @@ from sebulba.runtime.channels import QueueItem, Staging
 from sebulba.types import Experience, Metrics, Nets, OptState, PyTree
 
 LEARNER_AXIS = sharding.LEARNER_AXIS
-# Optimizer steps dispatched before the learner waits for them. XLA:CPU with several
-# (simulated) devices hangs, then aborts on an all-reduce timeout, once about 37
-# collective programs are queued (JAX 0.10.2, measured on 2 cores); on accelerators the
-# wait costs one sync per this many steps.
-MAX_QUEUED_STEPS = 16
+# Optimizer steps the devices may have queued: after dispatching a step the learner
+# waits for the one this many steps before it. XLA:CPU with several (simulated) devices
+# hangs, then aborts on an all-reduce timeout, once about 37 collective programs are
+# queued (JAX 0.10.2, measured on 2 cores); a short queue also lets a stop cut an update
+# within a few steps, while the devices still always have a step queued.
+MAX_QUEUED_STEPS = 3
 
 
 def per_learner_device(
@@ -202,6 +204,7 @@ class Learner:
         self.accounting = accounting if accounting is not None else Accounting()
         self.updates = updates
         self.optimizer_steps = 0
+        self.steps_cut = 0  # optimizer steps left out of updates cut short (see `update`)
         self.metrics: dict[str, float] = {}
         self._pending: tuple[int, Metrics, jax.Array] | None = None  # update, metrics, finite
         self.published: Nets | None = None
@@ -249,9 +252,17 @@ class Learner:
         for staging in self.stagings:
             staging.publish(self.updates, self.published)
 
-    def update(self, items: Sequence[QueueItem]) -> None:
+    def update(self, items: Sequence[QueueItem],
+               cut: Callable[[float], bool] | None = None) -> None:
         """One learner update on `trajectories_per_update` items (in queue order; a bare
-        QueueItem is one item): join, update_experience, optimizer steps, publish."""
+        QueueItem is one item): join, update_experience, optimizer steps, publish.
+
+        `cut(seconds)`, asked between optimizer steps with the time the remaining steps
+        would take, ends the update there when true (a stop with a deadline). The update
+        still counts, with fewer optimizer steps (`steps_cut` counts those left out): its
+        state is as consistent as a full update's. Only for single-process runs, where no
+        other process waits in the left-out steps' collectives.
+        """
         if isinstance(items, QueueItem):
             items = [items]
         if len(items) != self.trajectories_per_update:
@@ -277,13 +288,9 @@ class Learner:
             self.experience = self._update_experience(
                 self.experience, initial, final, trajectory, self.nets)
             t1 = time.perf_counter()
-            metrics = None
-            for i in range(1, self.optims_per_update + 1):
-                self.nets, self.opt, self.experience, metrics = self._optimize(
-                    self.nets, self.opt, self.experience)
-                if i % MAX_QUEUED_STEPS == 0 and i < self.optims_per_update:
-                    jax.block_until_ready(metrics)
-            self.optimizer_steps += self.optims_per_update
+            metrics, steps = self._optimizer_steps(cut)
+            self.optimizer_steps += steps
+            self.steps_cut += self.optims_per_update - steps
             self.updates += 1
             if metrics is not None:
                 self.publish()
@@ -291,6 +298,25 @@ class Learner:
             t2 = time.perf_counter()
         self.accounting.add_time("update_experience", t1 - t0)
         self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)
+
+    def _optimizer_steps(self, cut: Callable[[float], bool] | None
+                         ) -> tuple[Metrics | None, int]:
+        """Runs the update's optimizer steps, with at most MAX_QUEUED_STEPS queued on the
+        devices (or fewer: see `update`'s `cut`); the last step's metrics and the steps run."""
+        planned, queued = self.optims_per_update, collections.deque()
+        metrics, dispatched, done, start = None, 0, 0, time.perf_counter()
+        while dispatched < planned:
+            if cut is not None and done and cut(
+                    (time.perf_counter() - start) / done * (planned - done)):
+                break
+            self.nets, self.opt, self.experience, metrics = self._optimize(
+                self.nets, self.opt, self.experience)
+            dispatched += 1
+            queued.append(metrics)
+            if len(queued) == MAX_QUEUED_STEPS and dispatched < planned:
+                jax.block_until_ready(queued.popleft())
+                done = dispatched - len(queued)
+        return metrics, dispatched
 
     def device_busy(self) -> bool:
         """Whether the last update still runs on the devices (its metrics and published

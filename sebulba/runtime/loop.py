@@ -7,6 +7,7 @@ import dataclasses
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
 from sebulba.envs.base import EnvSource, close_all
-from sebulba.runtime import sharding
+from sebulba.runtime import memory, sharding
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.runtime.inferencer import ActingFunctions, EnvGroupRunner
@@ -148,6 +149,7 @@ class Sebulba:
             num_processes=self.num_processes,
             trajectories_per_update=config.trajectories_per_update,
         )
+        self._memory_checked = False
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
         self.learner = Learner(agent, self.learner_devices, check_finite=config.check_finite,
                                trajectories_per_update=config.trajectories_per_update)
@@ -155,6 +157,7 @@ class Sebulba:
     def initial_state(self) -> AgentState:
         """The agent's initial state; nets, optimizer and experience are the same in every
         process, the step state (this process's envs) differs between processes."""
+        self.check_memory()
         net_key, state_key = jax.random.split(jax.random.key(self.config.seed))
         nets = self.agent.new_networks(net_key)
         state = self.agent.new_state(nets, state_key, self.layout)
@@ -189,10 +192,14 @@ class Sebulba:
           local_experience: one experience per local learner device, stacked (leaves
             [num_local_learners, ...], e.g. `RunResult.local_experience()` or a
             checkpoint); by default every learner device starts from `state.experience`.
-          stop: when set (e.g. by a SIGTERM handler: a preemption), the run ends after
-            the learner update under way, with `RunResult.stopped_early`; in a
-            multi-process run every process ends after the same update (one update after
-            the first process saw its event), so their learner states agree.
+          stop: when set (e.g. by a SIGTERM handler: a preemption), the run ends with
+            `RunResult.stopped_early`: at once if the learner is waiting for a
+            trajectory, else after the learner update under way. A single-process run
+            cuts that update short between optimizer steps when it would not end by the
+            event's `deadline` (a `preemption.StopEvent`; `RunResult.optimizer_steps_cut`
+            counts the steps left out). In a multi-process run every process ends after
+            the same update (one update after the first process saw its event), so
+            their learner states agree.
           progress_timeout_s: a single-process run whose learner waits this long for a
             trajectory while no env steps (an env step that never returns) ends with a
             RuntimeError showing where the inferencer threads are
@@ -215,6 +222,7 @@ class Sebulba:
           stops the run and is re-raised here.
         """
         self._check_run_args(total_env_steps, learn, progress_timeout_s, learner_updates)
+        self.check_memory()
         state = self.initial_state() if state is None else state
         run = self._start_learner(state, local_experience, learner_updates,
                                   progress_timeout_s)
@@ -232,10 +240,44 @@ class Sebulba:
                 f"in an env's step, or in its close): {still_alive}")
         return self._result(run, learner_updates)
 
+    def check_memory(self) -> None:
+        """Raises a ValueError, with the estimate and the memory available, when the
+        layout cannot fit in memory (see `runtime.memory`); `initial_state` and `run`
+        call it before they allocate."""
+        if self._memory_checked:
+            return
+        cfg = self.config
+        try:
+            need = memory.estimate(self.agent, self.layout, self.inference_devices,
+                                   self.local_learner_devices, cfg.effective_queue_capacity)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            # An agent whose state depends on values, not only on shapes: nothing to
+            # estimate from before allocating.
+            self._memory_checked = True
+            return
+        memory.check_fits(need, f"the layout ({cfg.num_groups} env groups of "
+                          f"{cfg.envs_per_group:,} envs, {cfg.steps_per_cycle} steps per "
+                          "cycle)")
+        self._memory_checked = True
+
+    @property
+    def env_steps_per_update(self) -> int:
+        """Env steps (agent steps of a multi-agent env) one learner update consumes,
+        over all processes: trajectories_per_update x rows per group x steps per cycle."""
+        cfg = self.config
+        return (cfg.trajectories_per_update * self.rows_per_group * cfg.steps_per_cycle
+                * self.num_processes)
+
     def _check_run_args(self, total_env_steps: int, learn: bool,
                         progress_timeout_s: float | None, learner_updates: int) -> None:
         if not isinstance(total_env_steps, int) or total_env_steps < 1:
             raise ValueError(f"total_env_steps must be an int >= 1, got {total_env_steps!r}")
+        if total_env_steps < self.env_steps_per_update:
+            warnings.warn(
+                f"total_env_steps={total_env_steps:,} is less than one learner update, "
+                f"which consumes {self.env_steps_per_update:,} env steps "
+                "(trajectories_per_update x envs per group x steps per cycle x processes): "
+                f"the run will consume {self.env_steps_per_update:,}", stacklevel=3)
         if not isinstance(learner_updates, int) or learner_updates < 0:
             raise ValueError(f"learner_updates must be an int >= 0, got {learner_updates!r}")
         if progress_timeout_s is not None and not progress_timeout_s > 0:
@@ -294,7 +336,11 @@ class Sebulba:
         """
         learner, accounting = self.learner, run.accounting
         while accounting.consumed * self.num_processes < total_env_steps:
-            run.popped.append(self._get(run))
+            item = self._get(run, stop if self.num_processes == 1 else None)
+            if item is None:  # stopped while waiting: the last update is the cut
+                run.stopped_early = True
+                return
+            run.popped.append(item)
             if len(run.popped) < self.config.trajectories_per_update:
                 continue
             lags = [learner.updates - item.version for item in run.popped]
@@ -320,7 +366,7 @@ class Sebulba:
             watchdog.entering(learner.updates + 1)
         try:  # the collectives of an update (and of the stop vote) need every process
             if learn:
-                learner.update(run.popped)
+                learner.update(run.popped, _update_cutter(stop, self.num_processes))
             stopped = stop is not None and learner.vote_to_stop(stop.is_set())
         except RuntimeError as e:  # a collective failed: say who was behind
             if watchdog is None:
@@ -372,6 +418,7 @@ class Sebulba:
             stage_seconds=dict(accounting.stage_seconds),
             learner_updates=learner.updates - learner_updates,  # this run's
             optimizer_steps=learner.optimizer_steps,
+            optimizer_steps_cut=learner.steps_cut,
             metrics=learner.metrics,
             num_processes=self.num_processes,
             state=final_state,
@@ -452,14 +499,17 @@ class Sebulba:
             raise
         return runners
 
-    def _get(self, run: _Run) -> QueueItem:
-        """The next trajectory; raises a thread's error, or a stalled env's."""
+    def _get(self, run: _Run, stop: threading.Event | None = None) -> QueueItem | None:
+        """The next trajectory, or None once `stop` is set; raises a thread's error, or
+        a stalled env's."""
         errors, accounting, stall = run.errors, run.accounting, run.stall
         t0 = time.perf_counter()
         if stall is not None:
             stall.waiting(accounting.env_steps)
         while True:
             errors.raise_if_any()
+            if stop is not None and stop.is_set():
+                return None
             try:
                 item = run.trajectories.get(timeout=POLL_SECONDS)
                 break
@@ -500,6 +550,22 @@ class Sebulba:
         for t in closing + threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in threads + closing if t.is_alive()]
+
+
+def _update_cutter(stop: threading.Event | None, num_processes: int
+                   ) -> Callable[[float], bool] | None:
+    """`Learner.update`'s `cut`: true once `stop` is set and the update's remaining
+    seconds would take it past the stop's deadline. None where no deadline can apply: a
+    multi-process run (the other processes would wait in the left-out steps)."""
+    if stop is None or num_processes > 1:
+        return None
+
+    def cut(remaining_s: float) -> bool:
+        deadline = getattr(stop, "deadline", None)
+        return (stop.is_set() and deadline is not None
+                and time.monotonic() + remaining_s > deadline)
+
+    return cut
 
 
 def _close_quietly(source: EnvSource) -> None:
