@@ -42,7 +42,7 @@ import numpy as np
 
 from sebulba.agent import Agent
 from sebulba.envs.base import EnvSource
-from sebulba.runtime import sharding
+from sebulba.runtime import sharding, transfers
 from sebulba.runtime.accounting import Accounting, StageClock
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.types import ActorOutput, EnvStep, StepState, Trajectory
@@ -287,6 +287,9 @@ class _HoldBack:
         return out
 
 
+OBS = "acting: observations to device"  # with the ids of a by-id source's batch
+
+
 def fetch_polling(x: jax.Array, poll_s: float) -> np.ndarray:
     """np.asarray(x) of an acting call's output, polling for up to `poll_s` before
     sleeping on it (`Config.action_poll_s`: a sleeping thread wakes late). The benchmarks'
@@ -295,7 +298,7 @@ def fetch_polling(x: jax.Array, poll_s: float) -> np.ndarray:
         deadline = time.perf_counter() + poll_s
         while not x.is_ready() and time.perf_counter() < deadline:
             pass
-    return np.asarray(x)
+    return transfers.to_host(x, "acting: actions to host")
 
 
 def _copies_early(device: jax.Device) -> bool:
@@ -314,7 +317,9 @@ def _host_output(action: np.ndarray, output: ActorOutput) -> list[np.ndarray]:
     """A sent step's outputs on the host, as ActorOutput's leaves: its action (fetched to
     send it) and its extras, fetched now (ready since the step's call). Leaves, not a
     pytree: jax.tree.map costs several microseconds a step."""
-    return [action, *map(np.asarray, jax.tree.leaves(output.extras))]
+    extras = jax.tree.leaves(output.extras)
+    return [action, *transfers.to_host_all(extras, "acting: extras to host")] if extras \
+        else [action]
 
 
 def _write_outputs(record: _Cycle, t: int, action: np.ndarray, output: ActorOutput) -> None:
@@ -343,11 +348,12 @@ class EnvGroupRunner:
         accounting: Accounting,
         lockstep: tuple[int, int] | None = None,
         action_poll_s: float = 0.0,
+        transfer_guard: bool = False,
     ):
         """`lockstep` = (learner updates at the run's start, trajectories per update):
         cycle c acts only with the networks of update start + c // K, learnt from every
         trajectory before it (`Config.lockstep`; one group, in-order sources only).
-        `action_poll_s`: `Config.action_poll_s`."""
+        `action_poll_s`: `Config.action_poll_s`; `transfer_guard`: `Config.transfer_guard`."""
         if lockstep is not None and not source.in_order:
             raise ValueError("lockstep needs a source whose envs step in order")
         self.first_group = first_group
@@ -365,6 +371,7 @@ class EnvGroupRunner:
         self.accounting = accounting
         self.lockstep = lockstep
         self.action_poll_s = action_poll_s
+        self.transfer_guard = transfer_guard
         self._nets = (None, ())  # the staging area's latest networks, and their leaves
         self.copies_early = _copies_early(device)
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
@@ -385,10 +392,11 @@ class EnvGroupRunner:
             self.errors.report(e)
 
     def _run(self) -> None:
-        if self.source.in_order:
-            self._run_in_order()
-        else:
-            self._run_by_id()
+        with transfers.guarded(f"{self.name}'s acting loop", self.transfer_guard):
+            if self.source.in_order:
+                self._run_in_order()
+            else:
+                self._run_by_id()
 
     def _run_in_order(self) -> None:
         """A vector env: every env, in id order, every step, so one cursor serves all.
@@ -401,6 +409,7 @@ class EnvGroupRunner:
         and reused as the next cycle's initial StepState.
         """
         source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
+        device = self.device
         clock = StageClock()
         source.reset(seed=self.seed)
         initial = agent.shard_step_state(self.acting.typed(self.state.step_state),
@@ -439,7 +448,8 @@ class EnvGroupRunner:
                     clock.lap("wait_for_networks")
                 version, nets = self._latest_networks()
                 record = _Cycle(version, env_step, source.num_envs, steps)
-            output, step_state = self.acting.act_all(nets, self.state.step_state, env_step)
+            output, step_state = self.acting.act_all(nets, self.state.step_state,
+                                                     transfers.to_device(env_step, device, OBS))
             self.state = self.state._replace(step_state=step_state)
             if self.copies_early:
                 _start_host_copies(output)
@@ -489,7 +499,7 @@ class EnvGroupRunner:
 
     def _run_by_id(self) -> None:
         """A source whose recv returns any E of its envs (EnvPool): per-env cycles."""
-        source, steps = self.source, self.acting.steps_per_cycle
+        source, steps, device = self.source, self.acting.steps_per_cycle, self.device
         size, num_groups = source.group_size, source.num_groups
         cycle = np.zeros(source.num_envs, np.int64)  # each env's current cycle
         cursor = np.zeros(source.num_envs, np.int64)  # actions it took in that cycle
@@ -523,13 +533,14 @@ class EnvGroupRunner:
                 cycle[done] += 1
                 cursor[done] = 0
                 env_cursor = cursor[ids]
-            ids32 = ids.astype(np.int32)
+            ids32, on_device = transfers.to_device((ids.astype(np.int32), env_step), device, OBS)
             starts = env_cursor == 0
             if starts.any():  # keep the StepState rows a trajectory starts from
                 kept_in = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
                 self.state = self.state._replace(snapshots=self.acting.snapshot(
                     self.state.snapshots, self.state.step_state, ids32,
-                    kept_in.astype(np.int32)))
+                    transfers.to_device(kept_in.astype(np.int32), device,
+                                        "acting: snapshot slots to device")))
                 complete = [g for g in np.unique(ids[bootstrap] // size).tolist()
                             if cycle[g * size:(g + 1) * size].min() > oldest[g]]
                 for g in complete:
@@ -547,7 +558,7 @@ class EnvGroupRunner:
                     clock.flush_into(self.accounting)
                 version, nets = self._latest_networks()  # a cycle starts with the latest
             output, step_state = self.acting.act(nets, self.state.step_state, ids32,
-                                                 env_step)
+                                                 on_device)
             self.state = self.state._replace(step_state=step_state)
             if self.copies_early:
                 _start_host_copies(output)
@@ -631,17 +642,23 @@ class EnvGroupRunner:
         agent, size, devices = self.acting.agent, self.source.group_size, self.learner_devices
         snapshots = self.state.snapshots
         if g not in initial:
-            first = self.acting.take(snapshots, np.int32(c % _SNAPSHOT_SLOTS), g, size)
+            first = self.acting.take(snapshots, self._slot(c), g, size)
             initial[g] = agent.shard_step_state(first, devices)
-        last = self.acting.take(snapshots, np.int32((c + 1) % _SNAPSHOT_SLOTS), g, size)
+        last = self.acting.take(snapshots, self._slot(c + 1), g, size)
         final = agent.shard_step_state(last, devices)
         pushed = self._push(g, record, initial[g], final, clock)
         initial[g] = final  # the next cycle starts where this one ended
         return pushed
 
+    def _slot(self, cycle: int) -> jax.Array:
+        """The snapshot slot of cycle `cycle`'s first StepState, for `ActingFunctions.take`."""
+        return transfers.to_device(np.int32(cycle % _SNAPSHOT_SLOTS), self.device,
+                                   "cycle: snapshot slot to device")
+
     def _push(self, g: int, record: _Cycle, initial: StepState, final: StepState,
               clock: StageClock) -> bool:
         """Puts group g's recorded cycle on the queue; False if the run stopped first."""
+        transfers.count("cycle: trajectory to learner devices")
         trajectory = sharding.shard_host_env_axis(record.trajectory(self.acting.output_def),
                                                   self.learner_devices)
         num_steps = self.source.group_size * self.acting.steps_per_cycle

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sebulba.agent import Agent, combine_partitions
-from sebulba.runtime import sharding
+from sebulba.runtime import sharding, transfers
 from sebulba.runtime.accounting import Accounting
 from sebulba.runtime.channels import QueueItem, Staging
 from sebulba.types import Experience, Metrics, Nets, OptState, PyTree
@@ -177,6 +177,7 @@ class Learner:
         self.trajectories_per_update = k
         self.check_finite = check_finite
         self.num_processes = len({d.process_index for d in self.devices})
+        self._first_local = sharding.local_devices_of(self.devices)[0]
         self._join = env_axis_joiner(self.devices)
         self._update_experience = per_learner_device(
             agent.update_experience, self.devices, donate_argnums=(0,))
@@ -229,8 +230,8 @@ class Learner:
             [jax.device_put(np.asarray(wanted, np.int32), d) for d in local], self.devices)
         with self._naming_peer_failures():
             self._stop_vote = self._any(flags)
-            return previous is not None and bool(
-                np.asarray(previous.addressable_shards[0].data)[0])
+            return previous is not None and bool(transfers.to_host(
+                previous.addressable_shards[0].data, "learner: stop vote to host")[0])
 
     @contextlib.contextmanager
     def _naming_peer_failures(self) -> Iterator[None]:
@@ -247,8 +248,9 @@ class Learner:
     def publish(self) -> None:
         """Sends `acting_nets(nets, updates)` of the first local replica to every staging."""
         single = sharding.first_replica(self.nets)
-        self.published, self._published_finite = self._acting_nets(
-            single, jnp.asarray(self.updates, jnp.int32))
+        version = transfers.to_device(np.int32(self.updates), self._first_local,
+                                      "learner: version to device")
+        self.published, self._published_finite = self._acting_nets(single, version)
         for staging in self.stagings:
             staging.publish(self.updates, self.published)
 
@@ -334,12 +336,17 @@ class Learner:
             return
         updates, metrics, finite = self._pending
         self._pending = None
-        values = {k: float(np.asarray(v.addressable_shards[0].data)[0])
-                  for k, v in metrics.items()}
+        # One transfer: the first local replica of every metric (all equal: pmean), and
+        # the published networks' finite flags.
+        names = list(metrics)
+        *fetched, finite = transfers.to_host_all(
+            [metrics[k].addressable_shards[0].data for k in names] + [finite],
+            "learner: metrics to host")
+        values = {k: float(x[0]) for k, x in zip(names, fetched, strict=True)}
         if self.check_finite and not np.isfinite(values.get("loss", 0.0)):
             raise FloatingPointError(
                 f"the learner's loss is {values['loss']} after update {updates}; metrics: {values}")
-        if self.check_finite and not np.all(finite := np.asarray(finite)):
+        if self.check_finite and not np.all(finite):
             # NaN can reach the acting networks without showing in the loss (a loss that
             # does not read them, an optimizer step that overflows after it).
             paths = [jax.tree_util.keystr(p) for p, _ in

@@ -19,7 +19,7 @@ from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
 from sebulba.envs.base import EnvSource, close_all
-from sebulba.runtime import memory, sharding
+from sebulba.runtime import memory, sharding, transfers
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.runtime.inferencer import ActingFunctions, EnvGroupRunner
@@ -365,9 +365,10 @@ class Sebulba:
         if watchdog is not None:
             watchdog.entering(learner.updates + 1)
         try:  # the collectives of an update (and of the stop vote) need every process
-            if learn:
-                learner.update(run.popped, _update_cutter(stop, self.num_processes))
-            stopped = stop is not None and learner.vote_to_stop(stop.is_set())
+            with transfers.guarded("the learner update", self.config.transfer_guard):
+                if learn:
+                    learner.update(run.popped, _update_cutter(stop, self.num_processes))
+                stopped = stop is not None and learner.vote_to_stop(stop.is_set())
         except RuntimeError as e:  # a collective failed: say who was behind
             if watchdog is None:
                 raise
@@ -493,6 +494,7 @@ class Sebulba:
                     accounting=run.accounting,
                     lockstep=lockstep,
                     action_poll_s=cfg.action_poll_seconds,
+                    transfer_guard=cfg.transfer_guard,
                 ))
         except BaseException:
             close_all([source for _, _, source in sources])
