@@ -23,10 +23,13 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def emit(record: dict[str, Any]) -> None:
-    """Prints one JSON line, stamped with the time (UTC) and the load average."""
+def emit(record: dict[str, Any]) -> dict[str, Any]:
+    """Prints one JSON line, stamped with the time (UTC) and the load average; returns
+    the stamped record (e.g. to write it to a file too)."""
     now = datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S")
-    print(json.dumps({**record, "time": now, "load": load()}), flush=True)
+    stamped = {**record, "time": now, "load": load()}
+    print(json.dumps(stamped), flush=True)
+    return stamped
 
 
 def meta(benchmark: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -102,27 +105,45 @@ def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int,
     return sum(v.num_envs for v in vecs) * vector_steps / seconds
 
 
+def random_actions(space, rng, shape: tuple[int, ...]):
+    """Uniformly random actions of a Discrete or bounded Box space, leaves `shape` + the
+    space's own: drawn up front, so that drawing costs the timed loop nothing."""
+    import gymnasium as gym
+    import numpy as np
+
+    if isinstance(space, gym.spaces.Discrete):
+        return (space.start + rng.integers(0, space.n, size=shape)).astype(np.int32)
+    if isinstance(space, gym.spaces.Box) and space.is_bounded():
+        return rng.uniform(space.low, space.high, size=shape + space.shape).astype(space.dtype)
+    raise ValueError(f"random actions need a Discrete or bounded Box space, got {space}")
+
+
 def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
-                 seed: int) -> float:
+                 seed: int, env_kwargs: dict[str, Any] | None = None,
+                 seconds: float = 0.0) -> float:
     """Steps/second of a bare EnvPool of num_groups x group_size envs, batch group_size:
-    recv, then send random actions for the envs it returned, over and over."""
+    recv, then send random actions for the envs it returned, over and over; at least
+    `batches` batches and `seconds` (after 10 batches that warm it up). `env_kwargs` go
+    to the pool (e.g. EnvPool's `num_threads`)."""
     import numpy as np
 
     from sebulba.envs.envpool_source import make_pool
 
-    pool = make_pool(task_id, num_groups * group_size, group_size, seed)
+    pool = make_pool(task_id, num_groups * group_size, group_size, seed, env_kwargs)
     try:
-        actions = np.random.default_rng(seed).integers(
-            0, pool.action_space.n, size=(batches + 10, group_size)).astype(np.int32)
+        actions = random_actions(pool.action_space, np.random.default_rng(seed),
+                                 (batches + 10, group_size))
         pool.async_reset()
-        for i, a in enumerate(actions):
+        i, t0 = 0, time.perf_counter()  # t0 again after the warm-up
+        while i < batches + 10 or time.perf_counter() - t0 < seconds:
             if i == 10:
                 t0 = time.perf_counter()
-            pool.send(a, pool.recv()[4]["env_id"])
+            pool.send(actions[i % len(actions)], pool.recv()[4]["env_id"])
+            i += 1
         seconds = time.perf_counter() - t0
     finally:
         pool.close()
-    return group_size * batches / seconds
+    return group_size * (i - 10) / seconds
 
 
 def _poll_seconds(poll_s: float | None) -> float:
@@ -168,11 +189,15 @@ def inference_only(agent, num_envs: int, calls: int, seed: int,
     return num_envs * calls / (time.perf_counter() - t0)
 
 
-def learner_only(loop, updates: int, seed: int = 0) -> float:
-    """Env steps/second the loop's learner consumes alone: `updates` learner updates, each
-    on `trajectories_per_update` copies of one zero trajectory of the loop's shapes, with
-    no acting. The learner's work is dense (convolutions, matmuls, scans), so its cost
-    does not depend on the values; each update waits for the previous one, as in a run."""
+def learner_only(loop, updates: int, seed: int = 0, seconds: float = 0.0,
+                 state=None, warmup_updates: int = 3) -> float:
+    """Env steps/second the loop's learner consumes alone: `updates` learner updates (more
+    if `seconds` have not passed by then), each on `trajectories_per_update` copies of
+    one zero trajectory of the loop's shapes, with no acting. The learner's work is dense
+    (convolutions, matmuls, scans), so its cost does not depend on the values; each
+    update waits for the previous one, as in a run. It learns from `state` (an
+    AgentState; copied, not changed), by default `loop.initial_state()`, after
+    `warmup_updates` that compile (unless the loop has run) and warm it up."""
     import jax
 
     import sebulba
@@ -180,7 +205,7 @@ def learner_only(loop, updates: int, seed: int = 0) -> float:
     from sebulba.runtime.channels import QueueItem
 
     cfg, agent, devices = loop.config, loop.agent, loop.learner_devices
-    state = loop.initial_state()
+    state = loop.initial_state() if state is None else state
     size, steps = cfg.envs_per_group, cfg.steps_per_cycle
     step_state = agent.shard_step_state(
         agent.new_step_state(state.nets, jax.random.key(seed), size), devices)
@@ -191,15 +216,17 @@ def learner_only(loop, updates: int, seed: int = 0) -> float:
     learner = loop.learner
     learner.start(sharding.replicate(state.nets, devices), sharding.replicate(state.opt, devices),
                   sharding.replicate(state.experience, devices))
-    for _ in range(3):  # compiled and warm
+    for _ in range(warmup_updates):
         learner.update(items)
     learner.finish()
     t0 = time.perf_counter()
-    for _ in range(updates):
-        learner.update(items)
+    done = 0
+    while done < updates or time.perf_counter() - t0 < seconds:
+        learner.update(items)  # waits for the update before the last: few are queued
+        done += 1
     learner.finish()
     jax.block_until_ready(learner.nets)
-    return updates * len(items) * size * steps / (time.perf_counter() - t0)
+    return done * len(items) * size * steps / (time.perf_counter() - t0)
 
 
 def bare_loop(agent, make_vec: Callable[[], Any], vector_steps: int, seed: int,

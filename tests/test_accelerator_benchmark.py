@@ -1,0 +1,204 @@
+"""benchmarks/accelerator.py: its smoke run prints every field with sane values and a
+table, and leaves nothing running; bad flags are errors naming the value; the table
+judges the issue's targets on an accelerator. Timings are never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import accelerator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_ENVPOOL = importlib.util.find_spec("envpool") is not None
+
+
+def _smoke_env() -> dict[str, str]:
+    """One CPU device (not the tests' four), compiled with XLA's cheapest optimizations:
+    the smoke checks that the stages run, not how fast."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _session_gone(session: int) -> bool:
+    try:
+        os.killpg(session, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One `--smoke` run in its own process session: (return code, stdout, records
+    printed, records written to --out, whether the session is gone at the end)."""
+    out = tmp_path_factory.mktemp("accelerator") / "records.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.accelerator", "--smoke",
+                             f"--out={out}"], cwd=ROOT, env=_smoke_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the smoke run did not finish within 240 s")
+    printed = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    with open(out, encoding="utf-8") as f:
+        written = [json.loads(line) for line in f]
+    return proc.returncode, stdout, stderr, printed, written, _session_gone(proc.pid)
+
+
+def _stages(printed: list[dict]) -> dict[str, dict]:
+    return {r["stage"]: r for r in printed if r["record"] == "stage"}
+
+
+def test_smoke_runs_every_stage_and_leaves_nothing(smoke):
+    code, _, stderr, printed, written, gone = smoke
+    assert code == 0, stderr
+    assert [r["record"] for r in printed] == ["meta"] + ["stage"] * len(accelerator.STAGES) \
+        + ["end"]
+    assert list(_stages(printed)) == list(accelerator.STAGES)
+    assert written == printed  # --out holds the same records
+    end = printed[-1]
+    assert end["seconds"] > 0 and end["platform"] == "cpu" and end["targets_apply"] is False
+    assert end["leftover_threads"] == [] and end["child_processes"] == []
+    assert gone, "a process of the smoke run's session outlived it"
+    for rec in _stages(printed).values():
+        assert "error" not in rec, rec
+        if "skipped" in rec:  # only EnvPool's stages may be, and only without it
+            assert not HAS_ENVPOOL and "envpool" in rec["skipped"]
+
+
+def test_smoke_latency_per_network_and_envs_per_call(smoke):
+    rec = _stages(smoke[3])["acting_latency"]
+    networks = ["mlp", "nature_cnn"] if HAS_ENVPOOL else ["mlp"]
+    expected = [(n, e) for n in networks for e in accelerator.SMOKE["envs_per_call"]]
+    assert [(p["network"], p["envs"]) for p in rec["points"]] == expected
+    for p in rec["points"]:
+        assert p["calls"] >= 5
+        assert 0 < p["median_us"] <= p["p90_us"]
+        assert p["steps_per_second"] > 0 and p["first_call_s"] > 0
+
+
+def test_smoke_acting_only_beside_its_bounds(smoke):
+    rec = _stages(smoke[3])["acting_only"]
+    assert rec["env_only"] > 0 and rec["inference_only"] > 0
+    assert rec["bound"] == min(rec["env_only"], rec["inference_only"])
+    assert [r["async_factor"] for r in rec["runs"]] == accelerator.SMOKE["acting_async_factors"]
+    for run in rec["runs"]:
+        assert run["steps_per_second"] > 0 and run["env_steps"] > 0
+        assert run["ratio_to_bound"] == pytest.approx(run["steps_per_second"] / rec["bound"],
+                                                      abs=2e-3)
+
+
+@pytest.mark.skipif(not HAS_ENVPOOL, reason="the training stages run on EnvPool")
+@pytest.mark.parametrize("stage", list(accelerator.TRAINING))
+def test_smoke_training_beside_its_bounds(smoke, stage):
+    rec = _stages(smoke[3])[stage]
+    agent, env = accelerator.TRAINING[stage]
+    assert (rec["agent"], rec["env"], rec["vectorization"]) == (agent, env, "envpool")
+    assert rec["num_env_threads"] == os.cpu_count()  # the default: every core
+    assert rec["learner_updates"] >= 1 and rec["consumed"] > 0
+    assert rec["env_steps"] >= rec["consumed"]
+    for field in ("steps_per_second", "consumed_steps_per_second", "envpool_only",
+                  "learner_only", "wall_seconds"):
+        assert rec[field] > 0, field
+    assert rec["bound"] == min(rec["envpool_only"], rec["learner_only"])
+    assert rec["bounded_by"] == ("env" if rec["envpool_only"] <= rec["learner_only"]
+                                 else "learner")
+    assert rec["ratio_to_bound"] == pytest.approx(
+        rec["consumed_steps_per_second"] / rec["bound"], abs=2e-3)
+
+
+def test_smoke_prints_the_table(smoke):
+    stdout = smoke[1]
+    table = stdout[stdout.index("accelerator benchmark on"):]
+    assert "cpu: targets not applicable" in table
+    assert "pass" not in table and "FAIL" not in table
+    for name in ["mlp", "acting only"] + (list(accelerator.TRAINING) if HAS_ENVPOOL else []):
+        assert name in table
+
+
+@pytest.mark.parametrize(("flag", "named", "expected"), [
+    ("--stages=acting_latency,bogus", "'bogus'", "acting_latency, acting_only"),
+    ("--stages=", "''", "acting_latency, acting_only"),
+    ("--num_env_threads=0", "'0'", "int >= 1"),
+    ("--envs_per_call=16,x", "'x'", "int >= 1"),
+    ("--train_seconds=-1", "'-1'", "seconds > 0"),
+    ("--latency_seconds=inf", "'inf'", "seconds > 0"),
+    ("--ppo_epochs=-2", "'-2'", "int >= 0"),
+])
+def test_bad_flags_are_errors_naming_the_value(capsys, flag, named, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        accelerator.parse_args([flag])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and expected in err, err
+
+
+def test_smoke_sizes_are_defaults_that_flags_override():
+    args = accelerator.parse_args(["--smoke", "--train_seconds=5", "--stages=acting_only"])
+    assert args.train_seconds == 5.0 and args.stages == ["acting_only"]
+    assert args.envs_per_call == accelerator.SMOKE["envs_per_call"]
+    full = accelerator.parse_args([])
+    assert full.envs_per_call == [16, 64, 256, 1024] and full.stages == list(accelerator.STAGES)
+    assert full.num_env_threads == os.cpu_count()
+
+
+def _latency(network: str, envs: int, median_us: float) -> dict:
+    return {"network": network, "envs": envs, "median_us": median_us, "p90_us": median_us,
+            "steps_per_second": 1.0}
+
+
+def _breakout_ppo(consumed: float, bound: float) -> dict:
+    return {"record": "stage", "stage": "breakout_ppo", "steps_per_second": consumed,
+            "consumed_steps_per_second": consumed, "envpool_only": bound,
+            "learner_only": bound * 2, "ratio_to_bound": round(consumed / bound, 3)}
+
+
+def test_the_table_judges_the_targets_on_an_accelerator():
+    latency = {"record": "stage", "stage": "acting_latency", "num_groups": 2, "points": [
+        _latency("mlp", 256, 150.0), _latency("nature_cnn", 256, 1500.0),
+        _latency("nature_cnn", 64, 5000.0)]}  # no target at 64 envs
+    lines = accelerator.table([latency, _breakout_ppo(12_000, 20_000)], "cuda:0", True,
+                              1.0).splitlines()
+    mlp, cnn256, cnn64 = (next(x for x in lines if x.split()[:2] == key)
+                          for key in (["mlp", "256"], ["nature_cnn", "256"],
+                                      ["nature_cnn", "64"]))
+    assert mlp.endswith("<= 200 us: pass") and cnn256.endswith("<= 1,000 us: FAIL")
+    assert "pass" not in cnn64 and "FAIL" not in cnn64
+    row = next(x for x in lines if x.strip().startswith("breakout_ppo"))
+    assert ">= 10,000/s: pass" in row and ">= 0.7 of bound: FAIL" in row  # 0.6 of it
+    row = next(x for x in accelerator.table([_breakout_ppo(9_000, 10_000)], "cuda:0", True,
+                                            1.0).splitlines()
+               if x.strip().startswith("breakout_ppo"))
+    assert ">= 10,000/s: FAIL" in row and ">= 0.7 of bound: pass" in row
+    assert "not applicable" not in "\n".join(lines)
+
+
+def test_a_failing_stage_is_reported_and_the_others_run(monkeypatch, capsys):
+    def broken(args):
+        raise RuntimeError("a stage broke")
+
+    monkeypatch.setattr(accelerator, "_stage_functions", lambda: {
+        "acting_latency": broken, "acting_only": lambda args: {"runs": [], "env_only": 1.0,
+                                                               "inference_only": 1.0,
+                                                               "bound": 1.0, "env": "x",
+                                                               "envs_per_group": 1,
+                                                               "target_steps_per_second": 1}})
+    code = accelerator.main(["--stages=acting_latency,acting_only"])
+    out = capsys.readouterr().out
+    stages = _stages([json.loads(x) for x in out.splitlines() if x.startswith("{")])
+    assert code == 1
+    assert stages["acting_latency"]["error"] == "RuntimeError: a stage broke"
+    assert "error" not in stages["acting_only"]
+    assert "acting_latency: error: RuntimeError: a stage broke" in out
