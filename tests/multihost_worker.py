@@ -1,4 +1,5 @@
-"""One process of a multi-process Sebulba run on this machine (used by test_multihost.py).
+"""One process of a multi-process Sebulba run on this machine (used by test_multihost.py
+and test_device_invariance.py).
 
     python -m tests.multihost_worker PORT NUM_PROCESSES PROCESS_ID MODE OUT_DIR [ARGS...]
 
@@ -7,7 +8,12 @@ NUM_PROCESSES 1 it is a plain single-process run (no jax.distributed), the refer
 cluster is compared with. MODE "statistics" runs PPO on Pendulum-v1 (Box actions: the
 networks keep observation and return moments) and reports them. MODE "stop" is "counting"
 with no step limit, process 1 setting its `stop` event after its third update; MODE
-"stall" has process 1 sleep forever after it instead (its learner watchdog: 5 s).
+"stall" has process 1 sleep forever after it instead (its learner watchdog: 5 s). MODE
+"lockstep_spg" takes ARGS STEP_STATE_NPZ: tests/lockstep_spg.py's run with the envs split
+over the processes (one learner device each) and SPG's means over the whole batch, twice:
+from the loop's own initial state (processID_own.npz: the networks), then with each
+process's envs given their rows of the one-process step state saved in STEP_STATE_NPZ
+(processID_sliced.npz).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np  # noqa: E402
 import sebulba  # noqa: E402
 from agents.ppo import PPO, PPOConfig  # noqa: E402
 from sebulba.runtime import distributed  # noqa: E402
+from tests import lockstep_spg as spg  # noqa: E402
 from tests.counting_agent import CountingAgent  # noqa: E402
 from tests.envs import CountingEnv, PidRecordingEnv  # noqa: E402
 
@@ -80,9 +87,25 @@ def train_with_statistics(total_env_steps: int) -> dict:
                 lambda a, b: bool(np.array_equal(a, b)), last, stats)))}
 
 
+def train_lockstep_spg(num_processes: int, process_id: int, step_state_npz: str,
+                       out: str) -> None:
+    """Mode "lockstep_spg" (see the module docstring)."""
+    envs = spg.ENVS // num_processes
+    loop = spg.make_loop(envs, 1)
+    spg.save(out + "_own.npz", spg.run(loop).state.nets)
+    mine = spg.envs_slice(loop.initial_state().step_state, spg.load(step_state_npz),
+                          process_id * envs)
+    spg.save(out + "_sliced.npz", spg.run(loop, mine).state.nets)
+
+
 def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str,
          *args: str) -> None:
     out = os.path.join(out_dir, f"process{process_id}")
+    if mode == "lockstep_spg":
+        distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
+                               heartbeat_timeout_seconds=30)
+        train_lockstep_spg(int(num_processes), int(process_id), args[0], out)
+        return
     if mode == "statistics":
         distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
                                heartbeat_timeout_seconds=30)

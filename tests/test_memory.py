@@ -27,8 +27,8 @@ def _spg_loop(**config) -> sebulba.Sebulba:
 def test_the_estimate_is_what_the_initial_state_allocates():
     cfg = sebulba.Config(env="CartPole-v1", envs_per_group=40, steps_per_cycle=40,
                          inference_devices=[0, 1], learner_devices=[2, 3])
-    agent = R2D2(cfg.env_spec(), R2D2Config(replay_capacity=64, min_replay_size=32, sequence_length=80,
-                                            sequence_overlap=40))
+    agent = R2D2(cfg.env_spec(), R2D2Config(replay_capacity=64, min_replay_size=32,
+                                            sequence_length=80, sequence_overlap=40))
     loop = sebulba.Sebulba(agent, cfg)
     need = memory.estimate(agent, loop.layout, loop.inference_devices,
                            loop.local_learner_devices, cfg.effective_queue_capacity)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import sebulba
 from agents.common import checks, distributions, networks, normalization
 from sebulba.envs import observations
+from sebulba.runtime.sharding import LEARNER_AXIS
 
 
 def sample(keys: jax.Array, dist: distributions.Distribution) -> tuple[jax.Array, jax.Array]:
@@ -136,10 +137,42 @@ def entropy_cost(config: ActorCriticOptions, action_space: gym.Space) -> float:
     return config.entropy_cost
 
 
+def _over_learner_devices(x: jax.Array) -> jax.Array | None:
+    """psum of `x` over the learner devices where traced inside the learner's shard_map;
+    None elsewhere (a loss evaluated on its own)."""
+    try:
+        return jax.lax.psum(x, LEARNER_AXIS)
+    except NameError:  # the learner axis is not bound here
+        return None
+
+
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean of `x` over entries where `mask` (same shape, 0/1) is 1; 0 if there are none."""
+    """Mean of `x` over entries where `mask` (same shape, 0/1) is 1; 0 if there are none.
+
+    Inside the learner, a loss term of the whole batch: this device's masked sum over
+    the mean count of unmasked entries per learner device, so that its average over
+    the devices (the learner's pmean of losses, gradients and metrics) is the batch's
+    masked mean whatever share of the unmasked entries each device holds. Dividing by
+    each device's own count would weigh a device's entries more where it holds fewer,
+    and the result would depend on the number of learner devices.
+    """
     chex.assert_equal_shape((x, mask))
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    count = jnp.sum(mask)
+    total = _over_learner_devices(jnp.stack([count, jnp.ones_like(count)]))
+    if total is not None:
+        count = total[0] / total[1]
+    return jnp.sum(x * mask) / jnp.maximum(count, 1.0)
+
+
+def masked_batch_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of `x` where `mask` is 1 over the whole batch, the same value on every
+    learner device (the statistics of `standardize`); over `x` alone outside the learner."""
+    chex.assert_equal_shape((x, mask))
+    sums = jnp.stack([jnp.sum(x * mask), jnp.sum(mask).astype(x.dtype)])
+    total = _over_learner_devices(sums)
+    if total is not None:
+        sums = total
+    return sums[0] / jnp.maximum(sums[1], 1.0)
 
 
 def clipped_surrogate(ratio: jax.Array, advantage: jax.Array, epsilon: float) -> jax.Array:
@@ -151,11 +184,12 @@ def clipped_surrogate(ratio: jax.Array, advantage: jax.Array, epsilon: float) ->
 
 
 def standardize(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """`x` less its masked mean, over its masked std (shapes as `masked_mean`): advantages
+    """`x` less its masked mean, over its masked std, both of the whole batch over the
+    learner devices (shapes as `masked_mean`): advantages
     in units the policy loss can weigh against the entropy bonus whatever the rewards'
     scale."""
-    mean = masked_mean(x, mask)
-    return (x - mean) / (jnp.sqrt(masked_mean((x - mean) ** 2, mask)) + 1e-8)
+    mean = masked_batch_mean(x, mask)
+    return (x - mean) / (jnp.sqrt(masked_batch_mean((x - mean) ** 2, mask)) + 1e-8)
 
 
 class StepState(NamedTuple):

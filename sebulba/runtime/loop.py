@@ -161,10 +161,15 @@ class Sebulba:
         net_key, state_key = jax.random.split(jax.random.key(self.config.seed))
         nets = self.agent.new_networks(net_key)
         state = self.agent.new_state(nets, state_key, self.layout)
-        if self.process_index:
-            step_key = jax.random.fold_in(state_key, self.process_index)
-            step_state = self.agent.new_step_state(nets, step_key, self.layout.total_envs)
-            state = state._replace(step_state=step_state)
+        if self.num_processes > 1:
+            # This process's rows of the step state one process with every env would
+            # start from (Agent.new_state's step key), so that the run's envs act alike
+            # however many processes share them.
+            step_key = jax.random.split(state_key, 3)[2]
+            n = self.layout.total_envs
+            every = self.agent.new_step_state(nets, step_key, n * self.num_processes)
+            state = state._replace(
+                step_state=_slice_env_axis(every, self.process_index * n, n))
         return state
 
     def run(
