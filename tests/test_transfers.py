@@ -35,12 +35,13 @@ def _loop(agent_name: str, vectorization: str, env: str = "CartPole-v1",
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("agent_name,vectorization,env,agent_config", [
     ("spg", "sync", "CartPole-v1", {}),
-    ("ppo", "sync", "CartPole-v1", {}),
-    ("impala", "sync", "CartPole-v1", {}),
     ("r2d2", "sync", "CartPole-v1", {"replay_capacity": 64, "min_replay_size": 8}),
-    ("spg", "async", "CartPole-v1", {}),
     ("spg", "envpool", "CartPole-v1", {}),
     ("ppo", "pettingzoo", ROLE_CALL, {}),
+    # The same acting and learner paths as above, with other agents' state and extras.
+    pytest.param("ppo", "sync", "CartPole-v1", {}, marks=pytest.mark.slow),
+    pytest.param("impala", "sync", "CartPole-v1", {}, marks=pytest.mark.slow),
+    pytest.param("spg", "async", "CartPole-v1", {}, marks=pytest.mark.slow),
 ])
 def test_each_step_makes_its_own_transfers_and_no_other(
         agent_name, vectorization, env, agent_config, no_leftovers):
