@@ -56,6 +56,11 @@ class Config:
         learner (backpressure) when the queue is full. Drops are counted. Refused with
         `lockstep` and trajectories_per_update > 1 (a drop would deadlock the run).
       check_finite: raise if the learner's loss is NaN or infinite.
+      transfer_guard: check that the acting loop and the learner update make no
+        host-device transfer but their own (sebulba.runtime.transfers): JAX's transfer
+        guard disallows implicit ones there, and the loop's own become explicit. For
+        tests and for finding a transfer an agent adds; it costs tens of microseconds per
+        acting call.
       async_context: multiprocessing start method of env worker processes.
       shutdown_timeout_s: seconds stopping waits for a thread before giving up on it.
       action_poll_s: seconds an inferencer thread polls for an acting call's actions
@@ -87,6 +92,7 @@ class Config:
     trajectories_per_update: int = 1
     drop_when_full: bool = False
     check_finite: bool = True
+    transfer_guard: bool = False
     async_context: str = "spawn"
     shutdown_timeout_s: float = 10.0
     action_poll_s: float | None = None
@@ -117,6 +123,8 @@ class Config:
         kind = registry.get(self.vectorization)
         if not isinstance(self.desync_episodes, bool):
             raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
+        if not isinstance(self.transfer_guard, bool):
+            raise ValueError(f"transfer_guard must be a bool, got {self.transfer_guard!r}")
         if not isinstance(self.lockstep, bool):
             raise ValueError(f"lockstep must be a bool, got {self.lockstep!r}")
         if self.lockstep and self.drop_when_full and self.trajectories_per_update > 1:
