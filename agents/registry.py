@@ -10,6 +10,7 @@ import sebulba
 from agents.impala import IMPALA, IMPALAConfig
 from agents.ppo import PPO, PPOConfig
 from agents.r2d2 import R2D2, R2D2Config
+from agents.sac import SAC, SACConfig
 from agents.spg import SPG, SPGConfig
 
 
@@ -29,5 +30,6 @@ AGENTS: dict[str, AgentEntry] = {
     "impala": AgentEntry(IMPALAConfig, IMPALA),
     "ppo": AgentEntry(PPOConfig, PPO),
     "r2d2": AgentEntry(R2D2Config, R2D2),
+    "sac": AgentEntry(SACConfig, SAC),
     "spg": AgentEntry(SPGConfig, SPG),
 }

@@ -112,6 +112,40 @@ class DiagGaussian:
 Distribution = Categorical | MultiCategorical | DiagGaussian
 
 
+@flax.struct.dataclass
+class TanhGaussian:
+    """tanh(u), u ~ `base` (a DiagGaussian): actions in (-1, 1)^shape, as SAC's policy
+    (agents/sac.py rescales them to the action space's bounds).
+
+    The density follows from the change of variables a = tanh(u), entry by entry:
+    log p(a) = log N(u) - sum log(1 - tanh(u)^2), with log(1 - tanh(u)^2) computed as
+    2 (log 2 - u - softplus(-2u)), exact and finite for every u (no epsilon added to
+    1 - a^2). Sample and log-probability come together from the same u: recovering u
+    from a (`atanh`) loses precision near the bounds.
+    """
+
+    base: DiagGaussian
+
+    def _log_det_jacobian(self, u: jax.Array) -> jax.Array:
+        """sum log |d tanh(u) / du| over the event axes."""
+        return self.base._sum_event(2.0 * (np.log(2.0) - u - jax.nn.softplus(-2.0 * u)))
+
+    def sample_and_log_prob(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(a [..., *shape], log p(a) [...]) for the whole batch from one key;
+        reparameterized: differentiable in the mean and log-std."""
+        u = self.base.sample(key)
+        return jnp.tanh(u), self.base.log_prob(u) - self._log_det_jacobian(u)
+
+    def log_prob(self, action: jax.Array) -> jax.Array:
+        """log p(a) of actions in (-1, 1) (an action at +-1 has density 0: -inf)."""
+        u = jnp.arctanh(action)
+        return self.base.log_prob(u) - self._log_det_jacobian(u)
+
+    def mode(self) -> jax.Array:
+        """tanh of the Gaussian's mean (the greedy action; not the density's mode)."""
+        return jnp.tanh(self.base.mean)
+
+
 class CategoricalHead(nn.Module):
     """Features [..., D] -> `Categorical` (near-uniform at init: orthogonal gain 0.01)."""
 

@@ -195,7 +195,7 @@ class Sebulba:
           on_update: called on the learner thread after each learner iteration (for
             progress, logging, checkpoints); an error in it stops the run.
           local_experience: one experience per local learner device, stacked (leaves
-            [num_local_learners, ...], e.g. `RunResult.local_experience()` or a
+            [num_local_learners, ...], e.g. `RunResult.learner_experience` or a
             checkpoint); by default every learner device starts from `state.experience`.
           stop: when set (e.g. by a SIGTERM handler: a preemption), the run ends with
             `RunResult.stopped_early`: at once if the learner is waiting for a

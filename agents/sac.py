@@ -1,0 +1,373 @@
+"""SAC: soft actor-critic (Haarnoja et al., 2018) for Box action spaces.
+
+A tanh-squashed Gaussian policy, twin Q networks with Polyak-averaged targets and an
+entropy temperature learnt towards a target entropy, trained off-policy from a uniform
+replay of the transitions of every env. Read top to bottom: config, networks, state,
+acting, experience, loss, optimizer.
+
+How it fits the Sebulba loop:
+
+- Actions: the policy acts in (-1, 1)^d (tanh of a Gaussian); `step` rescales them
+  linearly to the Box's bounds [low, high], which must be finite. The replay stores
+  them back in (-1, 1), where the critics read them and the target entropy -d is
+  meant (the rescaling only shifts log-probabilities by a constant).
+- Experience: one uniform replay per learner device (`sebulba.experience.replay`,
+  sampled with `sample_uniform`), holding `replay_capacity / D` transitions, D the
+  run's learner devices: `replay_capacity` counts transitions of the whole run. Every
+  update cuts its trajectory shard (K x E / D envs of T steps) into one-step transitions
+  (`agents.common.transitions`, n_step > 1 for n-step ones): the action an env ignored
+  on an episode's last observation (NEXT_STEP autoreset) is left out, a terminated
+  episode bootstraps 0, a truncated one from its final observation.
+- Warm-up: the experience counts the run's env steps (every env, every learner
+  device); `ready_to_learn` is False until `learning_starts` of them, and the learner
+  skips the gradient steps until then. The networks count the gradient steps taken,
+  and `acting_nets` publishes "act at random" while that count is 0: the actors draw
+  uniform actions until the learner has learnt once, whatever the layout.
+- Replay ratio: `updates_per_trajectory` gradient steps per received trajectory, so K
+  x that per learner update of K = `Config.trajectories_per_update` trajectories
+  (`optimizer_steps_per_update`). In gradient steps per env step of the run that is
+  updates_per_trajectory / (envs_per_group x steps_per_cycle x processes), whatever K
+  and the learner devices: the experience works it out from the layout and reports it
+  as the `replay_ratio` metric.
+- Learner devices: each samples `batch_size` transitions from its own replay with its
+  own key; the learner averages the gradients, so a gradient step learns from D x
+  batch_size transitions.
+- Three objectives, three optimizers: the networks are `SACNets(actor, critic,
+  log_alpha, ...)`; `agents.common.objectives.own_part_losses` makes the critic loss
+  train only `critic`, the actor loss only `actor`, the temperature loss only
+  `log_alpha` (each sees the other parts as constants), and `per_field_optimizer` gives
+  each part its own Adam.
+- Target networks: `critic` is a `sebulba.target_network.OnlineAndTarget` pair (the
+  actor has no target); `partition_for_grad` holds its target out of the gradient and
+  `optimize_from_grads` moves it by `soft_refresh` with `tau` after every gradient step.
+  Actors receive the actor's parameters only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import flax.linen as nn
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import sebulba
+from agents.common import checks
+from agents.common.distributions import GaussianHead, TanhGaussian
+from agents.common.learner_devices import own_key
+from agents.common.networks import MLP
+from agents.common.objectives import own_part_losses, per_field_optimizer
+from agents.common.transitions import Transition, n_step_transitions
+from sebulba import target_network
+from sebulba.agent import combine_partitions
+from sebulba.envs import observations
+from sebulba.experience import replay as rp
+from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class SACConfig:
+    """SAC's hyperparameters (the published ones, with a replay ratio for many envs).
+
+    Attributes:
+      hidden_sizes: ReLU layers of the actor and of each critic.
+      discount: per-step discount.
+      n_step: steps of reward before bootstrapping (1: SAC's one-step target).
+      tau: Polyak rate of the critics' targets, per gradient step.
+      actor_learning_rate: Adam step size of the actor.
+      critic_learning_rate: Adam step size of the twin critics.
+      temperature_learning_rate: Adam step size of log(alpha).
+      initial_temperature: alpha at the start.
+      batch_size: transitions each learner device samples per gradient step.
+      replay_capacity: transitions the run's replays hold in total (each of the D
+        learner devices of the run holds replay_capacity / D, the newest it received).
+      learning_starts: env steps of the whole run (every env) acted at random before
+        the first gradient step.
+      updates_per_trajectory: gradient steps per trajectory received, i.e. a replay
+        ratio of updates_per_trajectory / (envs_per_group x steps_per_cycle x processes)
+        gradient steps per env step (the `replay_ratio` metric), independent of
+        `Config.trajectories_per_update` and of the learner devices.
+    """
+
+    hidden_sizes: Sequence[int] = (256, 256)
+    discount: float = 0.99
+    n_step: int = 1
+    tau: float = 0.005
+    actor_learning_rate: float = 3e-4
+    critic_learning_rate: float = 1e-3
+    temperature_learning_rate: float = 1e-3
+    initial_temperature: float = 1.0
+    batch_size: int = 256
+    replay_capacity: int = 1_000_000
+    learning_starts: int = 5_000
+    updates_per_trajectory: int = 128
+
+    def __post_init__(self):
+        checks.sizes(self, "hidden_sizes")
+        checks.ints(self, "n_step", "batch_size", "replay_capacity",
+                    "updates_per_trajectory")
+        checks.ints(self, "learning_starts", low=0)
+        checks.reals(self, "discount", "tau", low=0.0, high=1.0)
+        checks.reals(self, "actor_learning_rate", "critic_learning_rate",
+                     "temperature_learning_rate", "initial_temperature", low=0.0,
+                     open_low=True)
+
+
+# Networks.
+
+
+class Actor(nn.Module):
+    """Observations [..., *obs_shape] -> TanhGaussian over actions [..., d] in (-1, 1)."""
+
+    action_dim: int
+    hidden_sizes: Sequence[int]
+    obs_rank: int
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> TanhGaussian:
+        x = MLP(tuple(self.hidden_sizes), "relu", self.obs_rank)(obs)
+        return TanhGaussian(GaussianHead((self.action_dim,), state_dependent_std=True)(x))
+
+
+class Critic(nn.Module):
+    """(observations [..., *obs_shape], actions [..., d]) -> Q [...]."""
+
+    hidden_sizes: Sequence[int]
+    obs_rank: int
+
+    @nn.compact
+    def __call__(self, obs: jax.Array, action: jax.Array) -> jax.Array:
+        x = MLP((), "relu", self.obs_rank)(obs)  # flattened, float32
+        x = jnp.concatenate([x, action.astype(jnp.float32)], axis=-1)
+        x = MLP(tuple(self.hidden_sizes) + (1,), "relu", 1, activate_final=False)(x)
+        return x[..., 0]
+
+
+# Two critics with their own parameters (stacked on a leading axis): Q [2, ...].
+TwinCritic = nn.vmap(Critic, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=None, out_axes=0, axis_size=2)
+
+
+# State.
+
+
+class SACNets(NamedTuple):
+    actor: PyTree  # Actor parameters
+    critic: target_network.OnlineAndTarget  # TwinCritic parameters and their target
+    log_alpha: jax.Array  # float32 scalar, log of the entropy temperature
+    gradient_steps: jax.Array  # int32 scalar, gradient steps taken (not differentiated)
+
+
+class ActingNets(NamedTuple):  # what the learner publishes to the actors
+    actor: PyTree
+    random: jax.Array  # bool scalar: act uniformly at random (before the first step)
+
+
+class SACStepState(NamedTuple):
+    key: jax.Array  # [E] typed PRNG keys
+
+
+class SACExperience(NamedTuple):  # one per learner device
+    replay: rp.Replay  # items: Transition, actions in (-1, 1)
+    env_steps: jax.Array  # int32 scalar, env steps of the whole run received so far
+    learner_devices: jax.Array  # int32 scalar, D: the run's learner devices
+    replay_ratio: jax.Array  # float32 scalar, gradient steps per env step of the run
+    key: jax.Array  # typed PRNG key for sampling
+
+
+class SAC(sebulba.Agent):
+    def __init__(self, env_spec: sebulba.EnvSpec, config: SACConfig | None = None):
+        super().__init__(env_spec)
+        space = env_spec.action_space
+        if not isinstance(space, gym.spaces.Box):
+            raise ValueError(f"SAC needs a Box action space (continuous actions), got "
+                             f"{space!r}; use R2D2, PPO or IMPALA for discrete actions")
+        if len(space.shape) != 1:
+            raise ValueError(f"SAC needs a 1-D Box action space, got shape {space.shape}")
+        if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
+            raise ValueError(f"SAC rescales actions to the Box's bounds, which must be "
+                             f"finite; got low={space.low}, high={space.high}")
+        if observations.kind(env_spec.observation_space) != observations.VECTOR:
+            raise ValueError(
+                f"SAC's networks are MLPs on vector observations, got "
+                f"{env_spec.observation_space!r} ({observations.kind(env_spec.observation_space)}"
+                " observations); flatten or embed them with a wrapper (--env_wrappers)")
+        self.config = config = config or SACConfig()
+        self.action_dim = int(space.shape[0])
+        self.low = np.asarray(space.low, np.float32)
+        self.high = np.asarray(space.high, np.float32)
+        self.target_entropy = -float(self.action_dim)
+        obs_rank = len(env_spec.obs_shape)
+        self.actor = Actor(self.action_dim, tuple(config.hidden_sizes), obs_rank)
+        self.critic = TwinCritic(tuple(config.hidden_sizes), obs_rank)
+        self.optimizer = per_field_optimizer({
+            "actor": optax.adam(config.actor_learning_rate),
+            "critic": optax.adam(config.critic_learning_rate),
+            "log_alpha": optax.adam(config.temperature_learning_rate),
+        })
+
+    # Action bounds: the policy's (-1, 1) <-> the env's [low, high].
+
+    def to_env(self, unit_action: jax.Array) -> jax.Array:
+        return self.low + 0.5 * (unit_action + 1.0) * (self.high - self.low)
+
+    def from_env(self, action: jax.Array) -> jax.Array:
+        unit = 2.0 * (action - self.low) / (self.high - self.low) - 1.0
+        return jnp.clip(unit, -1.0, 1.0)
+
+    # Construction.
+
+    def new_networks(self, key: jax.Array) -> SACNets:
+        actor_key, critic_key = jax.random.split(key)
+        obs = jnp.zeros((1,) + self.env_spec.obs_shape, jnp.float32)
+        action = jnp.zeros((1, self.action_dim), jnp.float32)
+        return SACNets(
+            actor=self.actor.init(actor_key, obs),
+            critic=target_network.new(self.critic.init(critic_key, obs, action)),
+            log_alpha=jnp.log(jnp.asarray(self.config.initial_temperature, jnp.float32)),
+            gradient_steps=jnp.zeros((), jnp.int32),
+        )
+
+    def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> SACStepState:
+        return SACStepState(jax.random.split(key, num_envs))
+
+    def new_opt_state(self, nets: SACNets, key: jax.Array) -> PyTree:
+        return self.optimizer.init(self.partition_for_grad(nets)[0])
+
+    def new_experience_state(self, nets: Nets, key: jax.Array,
+                             layout: sebulba.Layout) -> SACExperience:
+        cfg = self.config
+        devices = layout.num_learner_devices * layout.num_processes
+        capacity = cfg.replay_capacity // devices
+        per_update = layout.envs_per_update_shard * layout.steps_per_cycle
+        if capacity < per_update:
+            raise ValueError(
+                f"replay_capacity={cfg.replay_capacity} over {devices} learner devices "
+                f"leaves {capacity} transitions per device, fewer than one update brings "
+                f"it ({per_update}); raise replay_capacity to at least {per_update * devices}")
+        items, _ = n_step_transitions(sebulba.zeros_trajectory(self, nets, 1, 1),
+                                      cfg.discount, cfg.n_step)
+        example = jax.tree.map(lambda x: x[0], items)
+        trajectory_steps = layout.envs_per_group * layout.steps_per_cycle * layout.num_processes
+        return SACExperience(
+            # priority_exponent does not matter: only ever sampled uniformly.
+            replay=rp.new_replay(example, capacity, priority_exponent=0.0),
+            env_steps=jnp.zeros((), jnp.int32),
+            learner_devices=jnp.asarray(devices, jnp.int32),
+            replay_ratio=jnp.asarray(cfg.updates_per_trajectory / trajectory_steps,
+                                     jnp.float32),
+            key=key,
+        )
+
+    # Acting.
+
+    def acting_nets(self, nets: SACNets, learner_updates: jax.Array) -> ActingNets:
+        return ActingNets(nets.actor, nets.gradient_steps == 0)
+
+    def step(self, step_state: SACStepState, nets: ActingNets,
+             env_step: EnvStep) -> tuple[sebulba.ActorOutput, SACStepState]:
+        """A sample of the policy, or a uniform action before the first gradient step."""
+        keys = jax.vmap(lambda k: jax.random.split(k, 3))(step_state.key)  # [E, 3]
+        policy = self.actor.apply(nets.actor, env_step.obs)
+        sampled = jax.vmap(lambda p, k: p.sample_and_log_prob(k)[0])(policy, keys[:, 0])
+        uniform = jax.vmap(lambda k: jax.random.uniform(
+            k, (self.action_dim,), minval=-1.0, maxval=1.0))(keys[:, 1])
+        unit = jnp.where(nets.random, uniform, sampled)
+        return sebulba.ActorOutput(self.to_env(unit)), SACStepState(keys[:, 2])
+
+    def greedy_step(self, step_state: SACStepState, nets: ActingNets,
+                    env_step: EnvStep) -> tuple[sebulba.ActorOutput, SACStepState]:
+        policy = self.actor.apply(nets.actor, env_step.obs)
+        return sebulba.ActorOutput(self.to_env(policy.mode())), step_state
+
+    # Experience.
+
+    def transitions(self, trajectory: Trajectory) -> tuple[Transition, jax.Array]:
+        """The trajectory's transitions, actions in (-1, 1), and which are real."""
+        unit = self.from_env(trajectory.actor_outputs.action)
+        trajectory = trajectory._replace(
+            actor_outputs=trajectory.actor_outputs._replace(action=unit))
+        return n_step_transitions(trajectory, self.config.discount, self.config.n_step)
+
+    def update_experience(self, experience: SACExperience, initial_step_state: SACStepState,
+                          final_step_state: SACStepState, trajectory: Trajectory,
+                          nets: Nets) -> SACExperience:
+        items, valid = self.transitions(trajectory)
+        # Every learner device receives as many env steps as this one.
+        received = valid.shape[0] * experience.learner_devices
+        return experience._replace(replay=rp.insert(experience.replay, items, valid),
+                                   env_steps=experience.env_steps + received)
+
+    def ready_to_learn(self, experience: SACExperience) -> jax.Array:
+        """After `learning_starts` env steps of the run (and at least one transition)."""
+        return ((experience.env_steps >= self.config.learning_starts)
+                & (experience.replay.size > 0))
+
+    def optimizer_steps_per_update(self, trajectories_per_update: int) -> int:
+        """`updates_per_trajectory` for each trajectory of the update: the replay ratio
+        does not depend on `Config.trajectories_per_update`."""
+        return self.config.updates_per_trajectory * trajectories_per_update
+
+    def num_off_policy_optims_per_cycle(self) -> int:
+        return self.config.updates_per_trajectory
+
+    # Learning.
+
+    def loss(self, nets: SACNets, opt: PyTree, experience: SACExperience
+             ) -> tuple[jax.Array, tuple[SACExperience, Metrics]]:
+        """Critic, actor and temperature losses of one uniform batch, each
+        differentiable in its own part of the networks only."""
+        cfg = self.config
+        key, sample_key, critic_key, actor_key = jax.random.split(experience.key, 4)
+        batch = rp.sample_uniform(experience.replay, own_key(sample_key),
+                                  cfg.batch_size).items
+        actor, critic = self.actor.apply, self.critic.apply
+
+        def critic_loss(n: SACNets):
+            next_action, next_log_prob = actor(n.actor, batch.next_obs).sample_and_log_prob(
+                critic_key)
+            next_q = jnp.min(critic(n.critic.target, batch.next_obs, next_action), axis=0)
+            soft_value = next_q - jnp.exp(n.log_alpha) * next_log_prob
+            target = batch.reward + batch.discount * soft_value
+            q = critic(n.critic.online, batch.obs, batch.action)  # [2, B]
+            loss = jnp.sum(jnp.mean(jnp.square(q - target), axis=1))
+            return loss, {"q": jnp.mean(q)}
+
+        def actor_loss(n: SACNets):
+            action, log_prob = actor(n.actor, batch.obs).sample_and_log_prob(actor_key)
+            q = jnp.min(critic(n.critic.online, batch.obs, action), axis=0)
+            loss = jnp.mean(jnp.exp(n.log_alpha) * log_prob - q)
+            return loss, {"entropy": -jnp.mean(log_prob)}
+
+        def temperature_loss(n: SACNets):
+            _, log_prob = actor(n.actor, batch.obs).sample_and_log_prob(actor_key)
+            loss = -jnp.mean(n.log_alpha * (log_prob + self.target_entropy))
+            return loss, {"alpha": jnp.exp(n.log_alpha)}
+
+        loss, metrics = own_part_losses(nets, {"critic": critic_loss, "actor": actor_loss,
+                                               "log_alpha": temperature_loss})
+        metrics = {**metrics,
+                   "replay_size": experience.replay.size.astype(jnp.float32),
+                   "replay_ratio": experience.replay_ratio}
+        return loss, (experience._replace(key=key), metrics)
+
+    def partition_for_grad(self, nets: SACNets) -> tuple[SACNets, SACNets]:
+        """Differentiates the actor, the online critics and log(alpha): not the critics'
+        target, not the step counter."""
+        diff, fixed = target_network.partition_for_grad(nets)
+        return (diff._replace(gradient_steps=None),
+                fixed._replace(gradient_steps=nets.gradient_steps))
+
+    def optimize_from_grads(self, nets: SACNets, opt: PyTree, grads: SACNets
+                            ) -> tuple[SACNets, PyTree]:
+        """One Adam step per part, then the critics' target moves `tau` towards them."""
+        diff, fixed = self.partition_for_grad(nets)
+        updates, opt = self.optimizer.update(grads, opt, diff)
+        nets = combine_partitions(optax.apply_updates(diff, updates), fixed)
+        critic = target_network.soft_refresh(nets.critic, nets.critic.online, self.config.tau)
+        return nets._replace(critic=critic, gradient_steps=nets.gradient_steps + 1), opt

@@ -1,0 +1,325 @@
+"""SAC (agents/sac.py) and the library pieces it is built from: the tanh-squashed Gaussian,
+action rescaling, Polyak target updates, one objective per part of the networks, cutting
+trajectories into transitions; then SAC in the real Sebulba loop."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import sebulba
+from agents.common.distributions import DiagGaussian, TanhGaussian
+from agents.common.learner_devices import own_key
+from agents.common.objectives import own_part_losses, per_field_optimizer
+from agents.common.transitions import n_step_transitions
+from agents.registry import AGENTS
+from agents.sac import SAC, SACConfig
+from sebulba import target_network
+from sebulba.agent import combine_partitions
+from sebulba.runtime.learner import per_learner_device
+from sebulba.types import ActorOutput, EnvStep, Trajectory
+
+# The tanh-squashed Gaussian.
+
+
+def _reference_density(a: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Density of tanh(u), u ~ N(mean, std^2) per entry, as the numerical derivative of
+    its CDF P(tanh(u) <= a) = Phi((atanh(a) - mean) / std): no Jacobian formula used."""
+    h = 1e-6
+
+    def cdf(x):
+        return stats.norm.cdf((np.arctanh(x) - mean) / std)
+
+    return np.prod((cdf(a + h) - cdf(a - h)) / (2 * h), axis=-1)
+
+
+def test_tanh_gaussian_log_prob_is_the_change_of_variables_density():
+    mean = np.array([[0.3, -1.2], [2.5, 0.0], [-0.7, 1.1]])
+    log_std = np.array([[-0.5, 0.2], [0.4, -1.0], [0.0, 0.3]])
+    dist = TanhGaussian(DiagGaussian(jnp.asarray(mean, jnp.float32),
+                                     jnp.asarray(log_std, jnp.float32)))
+    action, log_prob = dist.sample_and_log_prob(jax.random.key(0))
+    assert action.shape == (3, 2) and log_prob.shape == (3,)
+    assert np.all(np.abs(action) < 1)
+    a = np.asarray(action, np.float64)
+    reference = np.log(_reference_density(a, mean, np.exp(log_std)))
+    np.testing.assert_allclose(log_prob, reference, atol=2e-3)
+    np.testing.assert_allclose(dist.log_prob(action), reference, atol=2e-3)
+    np.testing.assert_allclose(dist.mode(), np.tanh(mean), rtol=1e-6)
+
+
+def test_tanh_gaussian_log_prob_is_finite_where_tanh_saturates():
+    # u = 12: 1 - tanh(u)^2 is 0 in float32, yet log(1 - tanh(u)^2) = log(4) - 2u - ...
+    dist = TanhGaussian(DiagGaussian(jnp.full((1,), 12.0), jnp.full((1,), -3.0)))
+    _, log_prob = dist.sample_and_log_prob(jax.random.key(1))
+    assert np.isfinite(log_prob).all()
+    u = 12.0 + np.exp(-3.0) * np.asarray(jax.random.normal(jax.random.key(1), (1,)))
+    # log N(u) + 2u - 2 log 2 + log(1 + e^-2u)^2 ~ log N(u) + 2u - 2 log 2
+    gauss = stats.norm.logpdf(u, 12.0, np.exp(-3.0))
+    np.testing.assert_allclose(log_prob, gauss + 2 * u - 2 * math.log(2), rtol=1e-5)
+
+
+# Action bounds.
+
+
+def _box_spec(low, high) -> sebulba.EnvSpec:
+    return sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,), np.float32),
+                           gym.spaces.Box(np.array(low, np.float32), np.array(high, np.float32)))
+
+
+def test_actions_are_rescaled_to_the_box_bounds():
+    low, high = [-2.0, 0.0], [2.0, 10.0]
+    agent = SAC(_box_spec(low, high), SACConfig(hidden_sizes=(8,)))
+    unit = jnp.array([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.5]])
+    np.testing.assert_allclose(agent.to_env(unit), [low, high, [0.0, 7.5]], rtol=1e-6)
+    np.testing.assert_allclose(agent.from_env(agent.to_env(unit)), unit, atol=1e-6)
+
+    nets = agent.new_networks(jax.random.key(0))
+    state = agent.new_step_state(nets, jax.random.key(1), 256)
+    env_step = EnvStep(jnp.asarray(np.random.default_rng(0).normal(size=(256, 3)) * 5,
+                                   jnp.float32),
+                       jnp.zeros(256), jnp.zeros(256, bool), jnp.zeros(256, bool),
+                       jnp.ones(256, bool))
+    for random in (True, False):  # warm-up's uniform actions, then the policy's
+        acting = agent.acting_nets(nets._replace(gradient_steps=jnp.asarray(int(not random))),
+                                   jnp.zeros((), jnp.int32))
+        assert bool(acting.random) == random
+        action = np.asarray(agent.step(state, acting, env_step)[0].action)
+        assert action.shape == (256, 2)
+        assert np.all(action >= low) and np.all(action <= high)
+        # The whole range is used: both halves of each dimension are reached.
+        mid = (np.array(low) + np.array(high)) / 2
+        assert np.all((action < mid).any(0)) and np.all((action > mid).any(0))
+    greedy = np.asarray(agent.greedy_step(state, acting, env_step)[0].action)
+    assert np.all(greedy >= low) and np.all(greedy <= high)
+
+
+def test_discrete_and_unbounded_action_spaces_are_refused():
+    with pytest.raises(ValueError, match=r"Box action space.*Discrete\(2\)"):
+        SAC(sebulba.env_spec("CartPole-v1"))
+    with pytest.raises(ValueError, match="must be finite"):
+        SAC(sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(-np.inf, np.inf, (2,))))
+
+
+def test_sac_is_registered_for_the_launcher():
+    entry = AGENTS["sac"]
+    assert entry.config_class is SACConfig
+    assert isinstance(entry.build(_box_spec([-1, -1], [1, 1]), SACConfig()), SAC)
+
+
+# Polyak target updates, and a target for part of the networks.
+
+
+def _same(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_polyak_update_math():
+    online = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(4.0)}
+    target = {"w": jnp.array([3.0, -2.0]), "b": jnp.array(0.0)}
+    out = target_network.polyak(online, target, 0.25)
+    np.testing.assert_allclose(out["w"], [0.25 * 1 + 0.75 * 3, 0.25 * 2 - 0.75 * 2])
+    np.testing.assert_allclose(out["b"], 1.0)
+    assert _same(target_network.polyak(online, target, 1.0), online)
+    np.testing.assert_array_equal(target_network.polyak(online, target, 0.0)["w"], target["w"])
+    # n soft refreshes towards fixed online networks: target - online shrinks by (1 - tau)^n.
+    pair = target_network.OnlineAndTarget(online, target)
+    for _ in range(10):
+        pair = target_network.soft_refresh(pair, online, 0.1)
+    np.testing.assert_allclose(pair.target["w"], np.array([1.0, 2.0]) + 0.9 ** 10 *
+                               np.array([2.0, -4.0]), rtol=1e-5)
+    for tau in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="tau must be in"):
+            target_network.polyak(online, target, tau)
+
+
+def test_partition_holds_out_targets_anywhere_in_the_networks():
+    class Nets(NamedTuple):
+        actor: dict
+        critic: target_network.OnlineAndTarget
+
+    nets = Nets({"w": jnp.ones(2)}, target_network.new({"w": jnp.zeros(3)}))
+    diff, fixed = target_network.partition_for_grad(nets)
+    assert diff.critic.target["w"] is None and fixed.critic.online["w"] is None
+    assert fixed.actor["w"] is None and diff.actor["w"] is nets.actor["w"]
+    assert _same(combine_partitions(diff, fixed), nets)
+    # The whole networks as one pair: the existing API, unchanged.
+    whole = target_network.new({"w": jnp.ones(2)})
+    diff, fixed = target_network.partition_for_grad(whole)
+    assert diff.target["w"] is None and fixed.online["w"] is None
+    refreshed = target_network.refresh(whole, {"w": jnp.full(2, 5.0)}, jnp.asarray(4), 2)
+    np.testing.assert_array_equal(refreshed.target["w"], [5.0, 5.0])
+
+
+# One objective per part.
+
+
+class _Parts(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+def test_each_objective_trains_only_its_own_part():
+    nets = _Parts(jnp.asarray(2.0), jnp.asarray(3.0))
+    objectives = {"a": lambda n: ((n.a * n.b) ** 2, {}), "b": lambda n: (n.a * n.b, {"x": n.b})}
+    grads = jax.grad(lambda n: own_part_losses(n, objectives)[0])(nets)
+    assert float(grads.a) == 2 * 2.0 * 3.0 ** 2  # d/da (ab)^2 only; not b's objective's b
+    assert float(grads.b) == 2.0  # d/db ab only; not a's objective's 2a^2 b
+    total, metrics = own_part_losses(nets, objectives)
+    assert float(total) == 36.0 + 6.0 and float(metrics["a_loss"]) == 36.0
+    with pytest.raises(ValueError, match=r"objectives \['c'\] name no field"):
+        own_part_losses(nets, {"c": objectives["a"]})
+
+
+def test_each_part_has_its_own_optimizer():
+    import optax
+
+    params = _Parts(jnp.asarray(1.0), jnp.asarray(1.0))
+    opt = per_field_optimizer({"a": optax.sgd(0.1), "b": optax.sgd(1.0)})
+    updates, _ = opt.update(_Parts(jnp.asarray(1.0), jnp.asarray(1.0)), opt.init(params),
+                            params)
+    np.testing.assert_allclose([updates.a, updates.b], [-0.1, -1.0])
+    with pytest.raises(ValueError, match="field 'b' holds parameters but has no optimizer"):
+        per_field_optimizer({"a": optax.sgd(0.1)}).init(params)
+
+
+# Trajectories into transitions.
+
+
+def _trajectory(terminated, truncated, first, reward) -> Trajectory:
+    terminated, truncated, first = (jnp.asarray(x, bool) for x in (terminated, truncated, first))
+    E, T1 = terminated.shape
+    obs = jnp.broadcast_to(jnp.arange(T1, dtype=jnp.float32)[None, :, None], (E, T1, 1))
+    obs = obs + 100 * jnp.arange(E)[:, None, None]  # obs = 100 env + step
+    action = jnp.broadcast_to(jnp.arange(T1 - 1, dtype=jnp.float32)[None], (E, T1 - 1))
+    return Trajectory(EnvStep(obs, jnp.asarray(reward, jnp.float32), terminated, truncated,
+                              first), ActorOutput(action[..., None]))
+
+
+def test_transitions_stop_at_episode_ends_and_keep_termination_apart_from_truncation():
+    # Env 0 terminates at step 2 (step 3 is the next episode's first); env 1 is truncated at
+    # step 3; T = 5.
+    f, t = False, True
+    traj = _trajectory(terminated=[[f, f, t, f, f, f], [f] * 6],
+                       truncated=[[f] * 6, [f, f, f, t, f, f]],
+                       first=[[t, f, f, t, f, f], [f, f, f, f, t, f]],
+                       reward=[[0, 1, 2, 0, 4, 5], [0, 1, 2, 3, 0, 5]])
+    items, valid = n_step_transitions(traj, 0.9)
+    # The action on each episode's last observation was ignored by the env.
+    np.testing.assert_array_equal(valid.reshape(2, 5), [[t, t, f, t, t], [t, t, t, f, t]])
+    d = items.discount.reshape(2, 5)
+    np.testing.assert_allclose(d[0, [0, 1, 3, 4]], [0.9, 0.0, 0.9, 0.9])  # 1 -> 2 terminates
+    np.testing.assert_allclose(d[1, [0, 1, 2, 4]], [0.9, 0.9, 0.9, 0.9])  # truncation bootstraps
+    np.testing.assert_allclose(items.next_obs.reshape(2, 5)[1, 2], 103.0)  # the final obs
+    np.testing.assert_allclose(items.reward.reshape(2, 5)[0], [1, 2, 0, 4, 5])
+
+    items, valid = n_step_transitions(traj, 0.9, n=3)
+    r, d = items.reward.reshape(2, 5), items.discount.reshape(2, 5)
+    nxt = items.next_obs.reshape(2, 5)
+    np.testing.assert_allclose(r[0, 0], 1 + 0.9 * 2)  # stops at the termination
+    np.testing.assert_allclose(d[0, 0], 0.0)
+    np.testing.assert_allclose([r[1, 1], d[1, 1], nxt[1, 1]], [2 + 0.9 * 3, 0.81, 103.0])
+    np.testing.assert_allclose([r[1, 0], d[1, 0], nxt[1, 0]], [1 + 1.8 + 0.81 * 3, 0.729, 103],
+                               rtol=1e-6)
+    # The trajectory's end bootstraps too.
+    np.testing.assert_allclose([r[0, 3], d[0, 3], nxt[0, 3]], [4 + 0.9 * 5, 0.81, 5.0],
+                               rtol=1e-6)
+
+
+def test_a_seam_drops_the_transition_across_it():
+    # Step 3 starts an episode although step 2 did not end one (envs reset on a resume).
+    f, t = False, True
+    traj = _trajectory(terminated=[[f] * 5], truncated=[[f] * 5], first=[[t, f, f, t, f]],
+                       reward=[[0, 1, 2, 0, 4]])
+    items, valid = n_step_transitions(traj, 0.5, n=2)
+    np.testing.assert_array_equal(valid, [t, t, f, t])
+    np.testing.assert_allclose([items.reward[1], items.discount[1], items.next_obs[1, 0]],
+                               [2.0, 0.5, 2.0])  # stops before the seam, bootstraps there
+
+
+# In the loop.
+
+
+def _pendulum(**kwargs) -> sebulba.Config:
+    return sebulba.Config(env="Pendulum-v1", vectorization="sync", **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_replay_ratio_warm_up_and_learner_devices(no_leftovers):
+    """Gradient steps per trajectory whatever trajectories_per_update; warm-up counted in
+    env steps; one replay per learner device, sized from the layout."""
+    E, T, K, U = 8, 4, 2, 3
+    cfg = SACConfig(hidden_sizes=(16,), batch_size=16, replay_capacity=2_000,
+                    learning_starts=200, updates_per_trajectory=U)
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
+    assert agent.optimizer_steps_per_update(K) == K * U
+    config = _pendulum(envs_per_group=E, steps_per_cycle=T, async_factor=2,
+                       inference_devices=[0], learner_devices=[1, 2],
+                       trajectories_per_update=K, seed=3)
+    result = sebulba.Sebulba(agent, config).run(E * T * 20)
+    trajectories = result.lag_count
+    assert result.learner_updates * K == trajectories >= 20
+    assert result.optimizer_steps == U * trajectories, result.summary()
+    exp = result.state.experience
+    # Every learner device counts the run's env steps; the first 200 were warm-up, when
+    # the learner skipped its steps: learning starts in the update that reaches 200.
+    # (the result holds the first learner device's replica).
+    assert int(exp.env_steps) == E * T * trajectories
+    warm_updates = -(-200 // (E * T * K))
+    steps = int(result.state.nets.gradient_steps)
+    assert steps == K * U * (result.learner_updates - warm_updates + 1), steps
+    assert exp.replay.capacity == 1_000  # 2,000 over 2 learner devices
+    assert 0 < int(exp.replay.size) <= E // 2 * T * trajectories  # its half of the envs
+    assert result.metrics["replay_ratio"] == pytest.approx(U / (E * T))
+
+
+def test_learner_devices_sample_with_their_own_keys():
+    devices = jax.devices()[:2]
+    keys = jnp.stack([jax.random.key_data(jax.random.key(7))] * 2)
+    draw = per_learner_device(
+        lambda k: jax.random.key_data(own_key(jax.random.wrap_key_data(k))), devices, ())
+    drawn = np.asarray(draw(keys))
+    assert not np.array_equal(drawn[0], drawn[1])
+
+
+def test_replay_too_small_for_one_update_is_refused():
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(replay_capacity=100))
+    layout = sebulba.Layout(envs_per_group=16, num_groups=2, steps_per_cycle=32,
+                            num_learner_devices=1)
+    with pytest.raises(ValueError, match="replay_capacity=100 .* at least 512"):
+        agent.new_experience_state(agent.new_networks(jax.random.key(0)), jax.random.key(1),
+                                   layout)
+
+
+@pytest.mark.timeout(300)
+def test_sac_solves_pendulum_within_40k_env_steps(no_leftovers):
+    """Random Pendulum scores about -1,200; solved is above -200. With 64-unit layers
+    (for speed) and a replay ratio of 0.25 the last 10% ends at -113, -113 and -128 for
+    seeds 0, 1, 2 (30-40 s each on 2 cores)."""
+    cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000, updates_per_trajectory=16)
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
+    config = _pendulum(envs_per_group=8, steps_per_cycle=8, async_factor=1, seed=0)
+    result = sebulba.Sebulba(agent, config).run(40_000)
+    first, last = result.mean_return(0.0, 0.1), result.mean_return(0.9, 1.0)
+    report = f"first 10%: {first:.1f}, last 10%: {last:.1f}\n{result.summary()}"
+    assert last >= -200, report
+    assert last >= first + 500, report
+    assert result.metrics["replay_ratio"] == pytest.approx(16 / 64)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sac_with_default_networks_solves_pendulum_within_100k_env_steps(no_leftovers):
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(updates_per_trajectory=16))
+    config = _pendulum(envs_per_group=8, steps_per_cycle=8, async_factor=1, seed=0)
+    result = sebulba.Sebulba(agent, config).run(100_000)
+    last = result.mean_return(0.9, 1.0)
+    assert last >= -200, f"last 10%: {last:.1f}\n{result.summary()}"
