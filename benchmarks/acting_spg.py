@@ -22,6 +22,17 @@ configuration alike), then one summary per configuration with the medians.
 With "envpool" (extra `envpool`) each inference device drives one pool of async_factor
 groups from one thread, recv returning whichever group's envs are ready; its env-only
 figure is a bare recv/send loop over the same pool.
+
+`--check_env_output=on,off` measures the cost of `Config.check_env_output`: every
+configuration runs with the checks and without, the two in alternating order within each
+repeat, and a `check_env_output` record per configuration gives the median of the
+repeats' on/off ratios of steps/second (benchmarks/RESULTS.md, "Env output checks: cost").
+Where other work shares the machine those ratios spread widely, so the record also gives
+the checks' own CPU time, each the least of many short timings, and the share of the
+loop's time it would take if it never overlapped anything (`estimated_cost`):
+
+    python -m benchmarks.acting_spg --vectorizations=sync,envpool --async_factors=1,2 \
+        --check_env_output=on,off --repeats=12
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import argparse
 import collections
 import os
 import time
+from typing import Any
 
 from benchmarks._util import (
     bare_loop,
@@ -63,7 +75,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden_sizes", type=int_list, default=[200] * 5)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--check_env_output", type=str_list, default=["on"],
+                   help="on, off or on,off: Config.check_env_output (on,off: an A/B)")
+    args = p.parse_args(argv)
+    if not args.check_env_output or set(args.check_env_output) - {"on", "off"}:
+        p.error(f"--check_env_output takes on, off or on,off, got {args.check_env_output}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,11 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     emit(meta("acting_spg", vars(args)))
     agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
     vector_steps = args.cycles * args.steps_per_cycle
+    checks = list(dict.fromkeys(args.check_env_output))  # "on", "off" or both, once each
     loops = {
-        (v, af, e): sebulba.Sebulba(agent, sebulba.Config(
+        (v, af, e, check): sebulba.Sebulba(agent, sebulba.Config(
             env=ENV_ID, envs_per_group=e, vectorization=v, async_factor=af,
-            steps_per_cycle=args.steps_per_cycle, seed=args.seed))
+            steps_per_cycle=args.steps_per_cycle, seed=args.seed,
+            check_env_output=check == "on"))
         for e in args.envs_per_group for v in args.vectorizations for af in args.async_factors
+        for check in checks
     }
     for loop in loops.values():
         measure(loop, cycles=1)  # compiles; every later run reuses what it compiled
@@ -116,13 +136,15 @@ def main(argv: list[str] | None = None) -> None:
             infer[e].append(sps)
             emit({"record": "inference_only", "repeat": repeat, "envs_per_group": e,
                   "steps_per_second": round(sps, 1)})
-        for key, loop in loops.items():
-            rec = measure(loop, args.cycles)
+        # With the checks on and off, the first of the two alternates between repeats.
+        order = sorted(loops, key=lambda k: (k[:3], (k[3] == "off") == (repeat % 2 == 0)))
+        for key in order:
+            rec = measure(loops[key], args.cycles)
             runs[key].append(rec["steps_per_second"])
             cores[key].append(rec["process_cpu_cores"])
-            emit({"record": "sebulba", "repeat": repeat, **rec})
+            emit({"record": "sebulba", "repeat": repeat, "check_env_output": key[3], **rec})
 
-    for (v, af, e), values in runs.items():
+    for (v, af, e, check), values in runs.items():
         env_sps = median(envs[v, e, af if v == "envpool" else 1])
         bare_sps = median(bare[v, e, af if v == "envpool" else 1])
         sps, inf_sps = median(values), median(infer[e])
@@ -130,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         serial = 1.0 / (1.0 / env_sps + 1.0 / inf_sps)  # env and inference never overlap
         summary = {
             "record": "summary", "vectorization": v, "async_factor": af, "envs_per_group": e,
-            "steps_per_second": sps, "repeats": values, "env_only": env_sps,
+            "check_env_output": check, "steps_per_second": sps, "repeats": values,
+            "env_only": env_sps,
             "inference_only": inf_sps, "bound": bound,
             "bounded_by": "env" if env_sps <= inf_sps else "inference",
             "ratio_to_bound": ratio(sps, bound),
@@ -138,12 +161,115 @@ def main(argv: list[str] | None = None) -> None:
             "bare_loop": bare_sps, "ratio_to_bare_loop": ratio(sps, bare_sps),
             "bare_loop_to_bound": ratio(bare_sps, bound),
             "bare_loop_to_serial_bound": ratio(bare_sps, serial),
-            "process_cpu_cores": median(cores[v, af, e], 2), "cpu_count": os.cpu_count(),
+            "process_cpu_cores": median(cores[v, af, e, check], 2),
+            "cpu_count": os.cpu_count(),
         }
         if v == "sync":
             summary["meets_target"] = sps >= TARGET_STEPS_PER_SECOND
         emit(summary)
+    emit_check_ab(loops, runs, cores, args.cycles, args.seed)
     emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+
+
+def emit_check_ab(loops: dict[tuple, Any], runs: dict[tuple, list[float]],
+                  cores: dict[tuple, list[float]], cycles: int, seed: int) -> None:
+    """For each configuration run with the env output checks on and off: the medians of
+    steps/second, the median of the repeats' on/off ratios (repeat i's two runs ran next
+    to each other), the same for this process's CPU time per env step (off/on: below 1,
+    the checks cost CPU time; less disturbed by other processes than wall time, though
+    polling for actions counts in it), and the checks' own cost: `check_costs`, the rows'
+    checks timed inside one more run (`rows_in_loop_us`), and the share of the loop's time
+    the two would take if nothing hid them (`estimated_cost`, at the median steps/second
+    with the checks off)."""
+    costs = {}
+    for (v, af, e, check), on in runs.items():
+        if check != "on" or (v, af, e, "off") not in runs:
+            continue
+        off = runs[v, af, e, "off"]
+        costs[e] = costs.get(e) or check_costs(e, seed)
+        in_loop = rows_in_loop_us(loops[v, af, e, "on"], cycles)
+        # The checks of one recv of e rows, and for "sync" those of each env too (an
+        # "async" env's run in its worker process).
+        us = in_loop + (costs[e]["each_env_us"] if v == "sync" else 0.0)
+        ratios = [a / b for a, b in zip(on, off, strict=True)]
+        cpu_per_step = {c: [k / sps for k, sps in zip(cores[v, af, e, c], runs[v, af, e, c],
+                                                     strict=True)] for c in ("on", "off")}
+        cpu_ratios = [b / a for a, b in zip(cpu_per_step["on"], cpu_per_step["off"],
+                                            strict=True)]
+        emit({"record": "check_env_output", "vectorization": v, "async_factor": af,
+              "envs_per_group": e, "on": median(on), "off": median(off),
+              "ratios": [round(r, 3) for r in ratios], "median_ratio": median(ratios, 3),
+              "cpu_ratios": [round(r, 3) for r in cpu_ratios],
+              "median_cpu_ratio": median(cpu_ratios, 3), **costs[e],
+              "rows_in_loop_us": round(in_loop, 2), "check_us_per_vector_step": round(us, 2),
+              "estimated_cost": round(us / e * 1e-6 * median(off), 4)})
+
+
+def rows_in_loop_us(loop, cycles: int) -> float:
+    """The median time of one recv's row checks (`BatchCheck`) inside an acting run of
+    `loop` (checks on), where caches are cold after each acting call: 2 to 4 times the
+    `check_costs` figure. Two clock reads (about 0.1 us) count in it."""
+    from sebulba.envs.output_checks import BatchCheck
+
+    times: list[int] = []
+    call = BatchCheck.__call__
+
+    def timed(self, env_step, ids=None):
+        t0 = time.perf_counter_ns()
+        call(self, env_step, ids)
+        times.append(time.perf_counter_ns() - t0)
+
+    BatchCheck.__call__ = timed
+    try:
+        measure(loop, cycles)
+    finally:
+        BatchCheck.__call__ = call
+    return median(times, 0) / 1e3
+
+
+def check_costs(num_envs: int, seed: int) -> dict[str, float]:
+    """The env output checks' own CPU time, in us per vector step of `num_envs` CartPoles,
+    each the least of several timeit repeats of the thread's CPU time (other processes
+    taking the cores do not count in it):
+    `each_env_us`, the `CheckedEnv` around each env (one CartPole step through it, less the
+    same step without it, times `num_envs`), and `rows_*_us`, the checks of one recv's
+    rows, of a "sync" vector env (in id order, rewards checked by each env) and of an
+    EnvPool (envs addressed by id). In the acting loop the row checks cost 2 to 4 times
+    as much (`rows_in_loop_us`)."""
+    import timeit
+
+    import gymnasium as gym
+    import numpy as np
+
+    from sebulba.envs.output_checks import BatchCheck, CheckedEnv
+    from sebulba.types import EnvStep
+
+    class SameStep(gym.Wrapper):
+        """A CartPole that returns its first step's output at every step: what the checks
+        see, at no cost of the env's own."""
+
+        def step(self, action):
+            return self._step
+
+    env = SameStep(gym.make(ENV_ID))
+    env.reset(seed=seed)
+    env._step = env.env.step(0)
+    checked = CheckedEnv(env, repr(ENV_ID), 0, num_envs)
+
+    def least_us(call, number: int = 10_000) -> float:
+        return 1e6 * min(timeit.repeat(call, number=number, repeat=15,
+                                       timer=time.thread_time)) / number
+
+    each_env = least_us(lambda: checked.step(0)) - least_us(lambda: env.step(0))
+    space, flags = env.observation_space, np.zeros(num_envs, bool)
+    env_step = EnvStep(np.stack([space.sample() for _ in range(num_envs)]),
+                       np.ones(num_envs, np.float32), flags, flags, flags)
+    in_order = BatchCheck(repr(ENV_ID), space, num_envs, str, rewards=False)  # as "sync"
+    by_id = BatchCheck(repr(ENV_ID), space, 2 * num_envs, str)
+    ids = np.arange(num_envs)
+    return {"each_env_us": round(max(0.0, each_env) * num_envs, 2),
+            "rows_in_order_us": round(least_us(lambda: in_order(env_step)), 2),
+            "rows_by_id_us": round(least_us(lambda: by_id(env_step, ids)), 2)}
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ class Config:
         guard disallows implicit ones there, and the loop's own become explicit. For
         tests and for finding a transfer an agent adds; it costs tens of microseconds per
         acting call.
+      check_env_output: check what the envs return where it enters the framework: a step
+        or reset of the wrong form (the old gym API's four values), a reward or flag that
+        is not a number or bool (None), an observation of the wrong shape, and NaN or
+        infinite float observations or rewards raise `BadEnvOutput`, naming the env, its
+        index, its step and the field (sebulba.envs.output_checks). False removes the
+        checks and their cost (about 1% of the acting benchmark's time on a shared 2-core
+        VM: benchmarks/RESULTS.md, "Env output checks: cost").
       async_context: multiprocessing start method of env worker processes.
       shutdown_timeout_s: seconds stopping waits for a thread before giving up on it.
       action_poll_s: seconds an inferencer thread polls for an acting call's actions
@@ -93,6 +100,7 @@ class Config:
     drop_when_full: bool = False
     check_finite: bool = True
     transfer_guard: bool = False
+    check_env_output: bool = True
     async_context: str = "spawn"
     shutdown_timeout_s: float = 10.0
     action_poll_s: float | None = None
@@ -127,6 +135,8 @@ class Config:
             raise ValueError(f"transfer_guard must be a bool, got {self.transfer_guard!r}")
         if not isinstance(self.lockstep, bool):
             raise ValueError(f"lockstep must be a bool, got {self.lockstep!r}")
+        if not isinstance(self.check_env_output, bool):
+            raise ValueError(f"check_env_output must be a bool, got {self.check_env_output!r}")
         if self.lockstep and self.drop_when_full and self.trajectories_per_update > 1:
             # Lockstep's next cycle waits for the update that learns from this one; a
             # dropped trajectory leaves that update one short for ever (a deadlock the
@@ -173,7 +183,7 @@ class Config:
             env=self.env, env_kwargs=self.env_kwargs, group_size=self.envs_per_group,
             num_groups=num_groups, seed=seed, env_wrappers=self.env_wrappers,
             async_context=self.async_context, desync_episodes=self.desync_episodes,
-            agent_ids=self.agent_ids)
+            agent_ids=self.agent_ids, check_env_output=self.check_env_output)
 
     def resolved_inference_devices(self) -> list[jax.Device]:
         """This process's inference devices."""

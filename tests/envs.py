@@ -196,3 +196,40 @@ class RandomObservationEnv(gym.Env):
         self.t += 1
         self._obs = self.observation_space.sample()
         return self._obs, float(action == target), self.t >= 8, False, {}
+
+
+class BadOutputEnv(CountingEnv):
+    """A CountingEnv whose output goes wrong in one way (a key of BAD) at its `bad_at`-th
+    step (0: its first reset) if it is env `bad_env` (the seed of its first reset), or
+    every env with `bad_env` None. Episodes of `episode_length` steps."""
+
+    BAD = {
+        "four_values": lambda obs, r, term, trunc: (obs, r, term or trunc, {}),
+        "reward_none": lambda obs, r, term, trunc: (obs, None, term, trunc, {}),
+        "terminated_none": lambda obs, r, term, trunc: (obs, r, None, trunc, {}),
+        "wrong_shape": lambda obs, r, term, trunc: (obs[:2], r, term, trunc, {}),
+        "nan_observation": lambda obs, r, term, trunc: (
+            np.array([obs[0], np.nan, obs[2]], np.float32), r, term, trunc, {}),
+        "inf_reward": lambda obs, r, term, trunc: (obs, float("-inf"), term, trunc, {}),
+        "observation_alone": None,  # reset returns the observation without its info
+    }
+
+    def __init__(self, kind: str, bad_at: int, bad_env: int | None = None,
+                 episode_length: int = 1000):
+        super().__init__(episode_length)
+        self.kind, self.bad_at, self.bad_env = kind, bad_at, bad_env
+        self.steps = 0
+
+    def _bad_now(self) -> bool:
+        return self.steps == self.bad_at and self.bad_env in (None, self.env_id)
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed, options=options)
+        if self.kind == "observation_alone" and self._bad_now():
+            return obs
+        return obs, info
+
+    def step(self, action):
+        self.steps += 1
+        result = super().step(action)
+        return self.BAD[self.kind](*result[:4]) if self._bad_now() else result

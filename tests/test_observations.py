@@ -48,7 +48,8 @@ def first_layer(nets, name: str, kind: str):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(AGENTS))
+# SAC reads vector observations only, and refuses these by name (tests/test_networks.py).
+@pytest.mark.parametrize("name", sorted(set(AGENTS) - {"sac"}))
 @pytest.mark.parametrize("kind", sorted(SPACES))
 def test_a_learner_update_changes_the_first_layer(name, kind, no_leftovers):
     env = functools.partial(RandomObservationEnv, SPACES[kind])

@@ -2,8 +2,9 @@
 
 `base` holds the protocol every source follows (`EnvSource`) and the host side of one env
 step; one module per source (`gymnasium_source`, `async_workers`, `envpool_source`,
-`pettingzoo_source`); `registry` maps each `Config.vectorization` name to its source;
-`suite` holds the small envs with known optima that sebulba ships for tests.
+`pettingzoo_source`); `output_checks` checks what envs return (`BadEnvOutput`);
+`registry` maps each `Config.vectorization` name to its source; `suite` holds the small
+envs with known optima that sebulba ships for tests.
 """
 
 from sebulba.envs.base import (
@@ -13,6 +14,7 @@ from sebulba.envs.base import (
     check_spaces,
     example_env_step,
 )
+from sebulba.envs.output_checks import BadEnvOutput
 from sebulba.envs.registry import (
     EnvSourceKind,
     SourceRequest,
@@ -23,6 +25,7 @@ from sebulba.envs.registry import (
 )
 
 __all__ = [
+    "BadEnvOutput",
     "EnvSource",
     "EnvSourceKind",
     "EpisodeTracker",

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
+from sebulba.envs.output_checks import BatchCheck
 from sebulba.types import EnvSpec, EnvStep
 
 
@@ -96,7 +97,7 @@ class EnvPoolSource:
     in_order = False  # recv returns whichever envs are ready
 
     def __init__(self, task_id: str, num_groups: int, group_size: int, seed: int,
-                 env_kwargs: Mapping[str, Any] | None = None):
+                 env_kwargs: Mapping[str, Any] | None = None, check_output: bool = False):
         self.num_groups, self.group_size = num_groups, group_size
         self.num_envs = num_groups * group_size
         self.pool = make_pool(task_id, self.num_envs, group_size, seed, env_kwargs)
@@ -104,6 +105,15 @@ class EnvPoolSource:
         self._action_dtype = self.pool.action_space.dtype
         self._to_env = action_to_env(self.pool.action_space)
         self._raw = _raw_layout(self.pool)
+        # The pool's C++ envs emit arrays of their spec's shapes and types: only NaN and
+        # infinite values are left to check.
+        self._check = BatchCheck(repr(task_id), self.pool.observation_space, self.num_envs,
+                                 self._place) if check_output else None
+
+    def _place(self, env: int) -> str:
+        """Env `env` of the pool, named for an error message."""
+        return (f"env {env} of the {self.num_envs} in its EnvPool: env {env % self.group_size}"
+                f" of the pool's group {env // self.group_size}")
 
     def reset(self, seed: int) -> None:
         del seed  # the pool was seeded when made; env i gets seed + i
@@ -118,7 +128,10 @@ class EnvPoolSource:
             ids, obs, reward, done, truncated = (state[i] for i in self._raw)
             terminated = done & ~truncated  # EnvPool's done is terminated or truncated
         ids = np.asarray(ids, np.int64)
-        return (ids, *self._tracker.observe(ids, obs, reward, terminated, truncated))
+        env_step, steps = self._tracker.observe(ids, obs, reward, terminated, truncated)
+        if self._check is not None:
+            self._check(env_step, ids)
+        return ids, env_step, steps
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         return self._tracker.pop_episodes()

@@ -20,6 +20,7 @@ from sebulba.envs.async_workers import (
     named_worker_deaths,
 )
 from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
+from sebulba.envs.output_checks import BatchCheck, CheckedEnv, env_name
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers, wrapper_function
 from sebulba.types import EnvSpec, EnvStep
 
@@ -211,9 +212,13 @@ class DesyncFirstEpisode(gym.Wrapper):
 
 
 def _make_single(env: str | GymEnvSpec | EnvFactory, env_kwargs: Mapping[str, Any] | None,
-                 env_wrappers: Sequence[EnvWrapper], desync_episodes: bool) -> gym.Env:
-    """One env of a vector env (in a worker process for "async")."""
+                 env_wrappers: Sequence[EnvWrapper], desync_episodes: bool,
+                 checked: tuple[str, int, int] | None = None) -> gym.Env:
+    """One env of a vector env (in a worker process for "async"); with `checked` (the
+    env's name, index and the group's size) its outputs are checked (`CheckedEnv`)."""
     single = make_env(env, env_kwargs, env_wrappers)
+    if checked is not None:  # inside desync, whose `truncated or ...` would hide a None
+        single = CheckedEnv(single, *checked)
     return DesyncFirstEpisode(single) if desync_episodes else single
 
 
@@ -225,12 +230,14 @@ def make_vector_env(
     async_context: str = "spawn",
     desync_episodes: bool = False,
     env_wrappers: Sequence[EnvWrapper] = (),
+    check_output: bool = False,
 ) -> gym.vector.VectorEnv:
     """Makes the vector env of one env group, with NEXT_STEP autoreset.
 
     Async (subprocess) envs start their workers with `async_context`; "spawn" by
     default because forking a process that runs JAX threads can deadlock the child.
-    Each env is wrapped in `env_wrappers` (in order), then with `desync_episodes` in
+    Each env is wrapped in `env_wrappers` (in order), with `check_output` in
+    `output_checks.CheckedEnv` ("sync" and "async"), then with `desync_episodes` in
     `DesyncFirstEpisode`.
     """
     kwargs = dict(env_kwargs or {})
@@ -249,22 +256,14 @@ def make_vector_env(
         vec = check_env_kwargs(
             env, kwargs, lambda: gym.make_vec(env, num_envs, vectorization, **kwargs))
     elif vectorization in PER_ENV_VECTORIZATIONS:
-        if isinstance(env, str):
-            # The id's spec, found here: a worker process then needs no registration of
-            # its own (an id the main script registered under its __main__ guard works).
-            register_env_family(env)
-            make_one = functools.partial(_make_single, _find_spec(env), kwargs, env_wrappers,
-                                         desync_episodes)
-        elif env_wrappers or desync_episodes:
-            make_one = functools.partial(_make_single, env, None, env_wrappers, desync_episodes)
-        else:
-            make_one = env
+        make_fns = _single_env_factories(env, num_envs, kwargs, env_wrappers, desync_episodes,
+                                         check_output)
         if vectorization == "sync":
-            vec = gym.vector.SyncVectorEnv([make_one] * num_envs, autoreset_mode=next_step)
+            vec = gym.vector.SyncVectorEnv(make_fns, autoreset_mode=next_step)
         else:
             check_main_guard(async_context)
-            vec = AsyncVectorEnv([make_one] * num_envs, autoreset_mode=next_step,
-                                 context=async_context, worker=env_worker)
+            vec = AsyncVectorEnv(make_fns, autoreset_mode=next_step, context=async_context,
+                                 worker=env_worker)
     else:
         raise ValueError(f"vectorization {vectorization!r} is not one of gymnasium's: "
                          "make_vector_env makes 'sync', 'async' and 'vector_entry_point'")
@@ -273,6 +272,28 @@ def make_vector_env(
         vec.close()
         raise ValueError(f"env {env!r} autoresets with {mode}; sebulba needs {next_step}")
     return vec
+
+
+def _single_env_factories(env: str | EnvFactory, num_envs: int,
+                          env_kwargs: dict[str, Any] | None,
+                          env_wrappers: Sequence[EnvWrapper], desync_episodes: bool,
+                          check_output: bool) -> list[EnvFactory]:
+    """The factory of each env of a "sync" or "async" vector env (picklable for "spawn")."""
+    if isinstance(env, str):
+        # The id's spec, found here: a worker process then needs no registration of its
+        # own (an id the main script registered under its __main__ guard works).
+        register_env_family(env)
+        made: GymEnvSpec | EnvFactory = _find_spec(env)
+        kwargs = env_kwargs
+    else:
+        made, kwargs = env, None
+        if not (env_wrappers or desync_episodes or check_output):
+            return [env] * num_envs
+    if not check_output:
+        return [functools.partial(_make_single, made, kwargs, env_wrappers,
+                                  desync_episodes)] * num_envs
+    return [functools.partial(_make_single, made, kwargs, env_wrappers, desync_episodes,
+                              (env_name(env), i, num_envs)) for i in range(num_envs)]
 
 
 def close_vector_env(vec: gym.vector.VectorEnv) -> None:
@@ -296,13 +317,22 @@ class VectorEnvSource:
     num_groups = 1
     in_order = True
 
-    def __init__(self, vec: gym.vector.VectorEnv):
+    def __init__(self, vec: gym.vector.VectorEnv, check_output: bool = False,
+                 env: str | EnvFactory | None = None, envs_checked: bool = False):
         self.vec = vec
         self.num_envs = self.group_size = vec.num_envs
         self._ids = np.arange(self.num_envs)
         self._tracker = EpisodeTracker(self.num_envs, vec.single_observation_space)
         self._to_env = action_to_env(vec.single_action_space)
         self._result: tuple | None = None
+        # With `check_output`, recv checks the rows (`output_checks.BatchCheck`): their
+        # observations, and their rewards unless `envs_checked` (a vector env made with
+        # `make_vector_env(check_output=True)`, whose envs check their own steps, rewards
+        # included, in `CheckedEnv`).
+        self._check = BatchCheck(
+            env_name(env) if env is not None else repr(vec), vec.single_observation_space,
+            self.num_envs, lambda i: f"env {i} of the {self.num_envs} in its group",
+            rewards=not envs_checked) if check_output else None
 
     def reset(self, seed: int) -> None:
         with named_worker_deaths(self.vec, "resetting its env"):
@@ -311,7 +341,10 @@ class VectorEnvSource:
         self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
 
     def recv(self) -> tuple[np.ndarray, EnvStep, int]:
-        return (self._ids, *self._tracker.observe_all(*self._result))
+        env_step, steps = self._tracker.observe_all(*self._result)
+        if self._check is not None:
+            self._check(env_step)
+        return self._ids, env_step, steps
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         return self._tracker.pop_episodes()

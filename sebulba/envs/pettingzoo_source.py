@@ -27,6 +27,15 @@ import numpy as np
 
 from sebulba.envs import observations
 from sebulba.envs.base import action_to_env, check_spaces, close_all
+from sebulba.envs.output_checks import (
+    BatchCheck,
+    bad_output,
+    env_name,
+    fields_ok,
+    first_field_problem,
+    reset_problem,
+    step_problem,
+)
 from sebulba.types import EnvSpec, EnvStep
 
 ParallelEnvFactory = Callable[[], Any]
@@ -130,7 +139,8 @@ class ParallelEnvSource:
     num_groups = 1
     in_order = True
 
-    def __init__(self, envs: list[Any], agent_ids: bool = False):
+    def __init__(self, envs: list[Any], agent_ids: bool = False, check_output: bool = False,
+                 env: str | ParallelEnvFactory | None = None):
         if not envs:
             raise ValueError("ParallelEnvSource needs at least one env")
         self.envs = envs
@@ -155,6 +165,46 @@ class ParallelEnvSource:
         self._ended: list[tuple[float, int]] = []
         self._team_ended: list[tuple[float, int]] = []
         self.padding_steps = 0
+        # With `check_output`: each agent's fields as they leave its env, and the rows
+        # recv returns (`output_checks`); None: no check at all.
+        self._check = BatchCheck(
+            env_name(env) if env is not None else repr(envs[0]),
+            with_agent_id_space(space, k) if agent_ids else space, rows, self._place,
+        ) if check_output else None
+        self._zero_obs = np.zeros(self._obs_shape, self._obs_dtype)  # a left agent's
+
+    def _place(self, row: int, agent: bool = True) -> str:
+        """Row `row`'s agent (or, with `agent` False, its env), named for an error."""
+        k, num = self.agents_per_env, len(self.envs)
+        env = f"env {row // k} of the {num} in its group"
+        return f"agent {self.agents[row % k]!r} of {env}, row {row}" if agent else env
+
+    def _raise_bad(self, row: int, field: str, problem: str, agent: bool = True) -> None:
+        raise bad_output(self._check.env, self._place(row, agent), self._check.step(0),
+                         field, problem)
+
+    def _check_result(self, row: int, result: Any, step: bool) -> None:
+        """BadEnvOutput unless a step's (or reset's) result has gymnasium's form, with
+        dicts by agent (the env of row `row`)."""
+        problem = step_problem(result) if step else reset_problem(result)
+        if problem is None and not all(isinstance(x, dict) for x in result[:4 if step else 1]):
+            problem = (f"holds {[type(x).__name__ for x in result]}; a Parallel env returns "
+                       "a dict by agent for each field")
+        if problem is not None:
+            self._raise_bad(row, f"{'step' if step else 'reset'}'s result", problem,
+                            agent=False)
+
+    def _check_agent(self, row: int, env_obs: dict, env_reward: dict, env_term: dict,
+                     env_trunc: dict) -> None:
+        """BadEnvOutput unless row `row`'s agent's fields are ones the rows can hold (a
+        field the env leaves out is the default the loop fills in)."""
+        agent = self.agents[row % self.agents_per_env]
+        fields = (env_obs.get(agent, self._zero_obs), env_reward.get(agent, 0.0),
+                  env_term.get(agent, False), env_trunc.get(agent, False))
+        if not fields_ok(*fields, self._obs_shape):
+            bad = first_field_problem(*fields, self._obs_shape)
+            if bad is not None:
+                self._raise_bad(row, *bad)
 
     def reset(self, seed: int) -> None:
         obs = np.zeros((self.num_envs, *self._obs_shape), self._obs_dtype)
@@ -169,8 +219,13 @@ class ParallelEnvSource:
                    first: np.ndarray, terminated: np.ndarray) -> None:
         """Env i's rows after a reset: its agents start; an agent the env does not field
         at the reset (it may join later) is padding."""
-        env_obs, _ = env.reset(seed=seed)
+        result = env.reset(seed=seed)
         k = self.agents_per_env
+        if self._check is not None:
+            self._check_result(i * k, result, step=False)
+            for j in range(k):
+                self._check_agent(i * k + j, result[0], {}, {}, {})
+        env_obs, _ = result
         rows = slice(i * k, (i + 1) * k)
         for j, agent in enumerate(self.agents):
             row = i * k + j
@@ -192,7 +247,10 @@ class ParallelEnvSource:
         if self._one_hot is not None:
             obs = np.concatenate([obs, np.tile(self._one_hot, (len(self.envs), 1))], axis=1)
         steps = self.num_envs if self._acted else 0
-        return self._ids, EnvStep(obs, reward, terminated, truncated, first), steps
+        env_step = EnvStep(obs, reward, terminated, truncated, first)
+        if self._check is not None:
+            self._check(env_step)
+        return self._ids, env_step, steps
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         ended, self._ended = self._ended, []
@@ -216,11 +274,16 @@ class ParallelEnvSource:
                 continue
             base = i * k
             was_live = self._live[base:base + k].copy()
-            env_obs, env_reward, env_term, env_trunc, _ = env.step(
+            result = env.step(
                 {a: actions[base + j] for j, a in enumerate(self.agents) if was_live[j]})
+            if self._check is not None:
+                self._check_result(base, result, step=True)
+            env_obs, env_reward, env_term, env_trunc, _ = result
             self._env_lengths[i] += 1
             for j, agent in enumerate(self.agents):
                 row = base + j
+                if self._check is not None:
+                    self._check_agent(row, env_obs, env_reward, env_term, env_trunc)
                 if not was_live[j]:
                     if agent in env.agents:  # joined the running episode: it starts here
                         obs[row] = env_obs[agent]

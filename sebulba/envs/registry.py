@@ -35,6 +35,7 @@ class SourceRequest:
       async_context: start method of env worker processes.
       desync_episodes: cut each env's first episode at a random length.
       agent_ids: multi-agent sources: append the agent's one-hot to its observation.
+      check_env_output: check what the envs return (`Config.check_env_output`).
     """
 
     env: Any
@@ -46,6 +47,7 @@ class SourceRequest:
     async_context: str = "spawn"
     desync_episodes: bool = False
     agent_ids: bool = False
+    check_env_output: bool = True
 
 
 SpecFactory = Callable[[SourceRequest], EnvSpec]
@@ -178,9 +180,14 @@ def _vector_sources(vectorization: str) -> SourceFactory:
         sources: list[EnvSource] = []
         try:
             for _ in range(request.num_groups):
-                sources.append(gymnasium_source.VectorEnvSource(gymnasium_source.make_vector_env(
+                vec = gymnasium_source.make_vector_env(
                     request.env, request.group_size, vectorization, request.env_kwargs,
-                    request.async_context, request.desync_episodes, request.env_wrappers)))
+                    request.async_context, request.desync_episodes, request.env_wrappers,
+                    request.check_env_output)
+                envs_checked = request.check_env_output and (
+                    vectorization in gymnasium_source.PER_ENV_VECTORIZATIONS)
+                sources.append(gymnasium_source.VectorEnvSource(
+                    vec, request.check_env_output, request.env, envs_checked))
         except BaseException:
             close_all(sources)
             raise
@@ -204,7 +211,8 @@ def _pettingzoo_sources(request: SourceRequest) -> list[EnvSource]:
         for _ in range(request.num_groups):
             envs = pettingzoo_source.make_parallel_envs(request.env, request.env_kwargs,
                                                         request.group_size)
-            sources.append(pettingzoo_source.ParallelEnvSource(envs, request.agent_ids))
+            sources.append(pettingzoo_source.ParallelEnvSource(
+                envs, request.agent_ids, request.check_env_output, request.env))
     except BaseException:
         close_all(sources)
         raise
@@ -227,7 +235,7 @@ register(EnvSourceKind(
 register(EnvSourceKind(
     "envpool",
     lambda r: [envpool_source.EnvPoolSource(r.env, r.num_groups, r.group_size, r.seed,
-                                            r.env_kwargs)],
+                                            r.env_kwargs, r.check_env_output)],
     lambda r: envpool_source.pool_spec(r.env, r.env_kwargs),
     envpool_source.check_env,
     needs_env_id=True, steps_in_order=False, evaluate_as="envpool",
