@@ -1,6 +1,8 @@
 """The fault matrix: each fault injected into `--repeats` independent
-short runs; per fault, how many runs ended within 10 s of it with the original error
-visible, how many processes they left behind, and whether the accounting identity held.
+short runs; per fault, how many runs ended within its deadline (10 s after it here; the
+launcher cases of benchmarks/faults_launcher.py have their own) with the original error
+visible, how many processes they left behind, and whether nothing was lost (the
+accounting identity held; the launcher cases: their checkpoints, as each says).
 
 Every run is a fresh process: tests/counting_agent.py's CountingAgent on tests/envs.py's
 CountingEnv (5-step episodes) through the Python API, or SPG on CartPole through the
@@ -12,6 +14,10 @@ launcher.
 - worker_killed: this script SIGKILLs one of the 8 async env workers after update 3.
 - agent_step: the agent's step raises from its call 40 on (a jax.debug.callback).
 - nan_loss: the loss is NaN from update 3: FloatingPointError naming update 3.
+- bad_<kind>_<sync|async>: env 1 of the `make_loop` run returns bad output at its step
+  30 (tests.envs.BadOutputEnv: a NaN observation, a -inf reward, a reward of None, an
+  observation of the wrong shape, the old API's 4 values): BadEnvOutput naming the env,
+  its index, the step and the field.
 - sigint, sigterm: the signal to `python -m examples.train --logdir=...` (2 async envs)
   after 2 learner updates: exit 130 / 143, with a checkpoint of the consumed steps.
 - peer_killed: SIGKILL to process 1 of a 2-process jax.distributed run on 127.0.0.1
@@ -20,6 +26,9 @@ launcher.
 - peer_hung: SIGSTOP to process 1 likewise (heartbeat timeout 30 s); process 0's
   watchdog (progress_timeout_s=5) must end it (exit 3) naming process 1 "the silent
   peer". Process 1 gets SIGCONT once process 0 has ended, and must end too.
+- and the launcher cases (damaged checkpoints, saves that cannot succeed, resumes into
+  another layout, two launchers on one logdir, refused layouts and schedules, signals at
+  awkward moments): benchmarks/faults_launcher.py.
 
 Columns:
 
@@ -41,7 +50,8 @@ Columns:
   watchdog's exit, with nothing to read: held = the error and no process left.
 
 Processes share a JAX compilation cache in a temporary directory (the launcher runs
-otherwise spend most of their time compiling); the faults are the same.
+otherwise spend most of their time compiling); the faults are the same. How the runs'
+processes are started and found: benchmarks/fault_runs.py.
 
     python -m benchmarks.faults                      # 20 runs of each fault
     python -m benchmarks.faults --repeats=2 --faults=sigint,peer_hung
@@ -60,24 +70,44 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
 
-from tests.envs import FaultyEnv
+from benchmarks import faults_launcher
+from benchmarks.fault_runs import (
+    MARKER,
+    kill_all,
+    last_json,
+    left_behind,
+    note,
+    noted,
+    read,
+    run_processes,
+    sebulba_threads,
+    start,
+    wait_for,
+)
+from tests.envs import BadOutputEnv, FaultyEnv
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARKER = "SEBULBA_FAULT_RUN"  # in the environment of every process started for a run
-DEADLINE_S = 10.0  # a run must end this soon after its fault
-SETTLE_S = 5.0  # a run's processes still alive this long after it ended are left behind
+DEADLINE_S = 10.0  # a run must end this soon after its fault (the launcher cases: theirs)
 ENV_FAULT_STEP, AGENT_FAULT_CALL, FAULT_AFTER_UPDATE = 30, 40, 3
 HEARTBEAT_S = {"peer_killed": 10, "peer_hung": 30}  # hung: the watchdog must fire first
 PROGRESS_TIMEOUT_S = 5.0
-API_FAULTS = ("env_sync", "env_async", "worker_killed", "agent_step", "nan_loss")
+BAD_OUTPUT = {  # tests.envs.BadOutputEnv's kinds, and how the error names each
+    "nan_observation": r"observation holds nan at index \[1\]; expected finite values",
+    "inf_reward": r"reward is -inf; expected a finite number",
+    "reward_none": r"reward is None; expected a real number",
+    "wrong_shape": r"observation has shape \(2,\), expected \(3,\)",
+    "four_values": r"step's result is 4 values, .*the old gym API's",
+}
+BAD_OUTPUT_FAULTS = {f"bad_{kind}_{vectorization}": (kind, vectorization)
+                     for kind in BAD_OUTPUT for vectorization in ("sync", "async")}
+API_FAULTS = ("env_sync", "env_async", "worker_killed", "agent_step", "nan_loss",
+              *BAD_OUTPUT_FAULTS)
 LAUNCHER_FAULTS = ("sigint", "sigterm")
 PEER_FAULTS = ("peer_killed", "peer_hung")
-FAULTS = API_FAULTS + LAUNCHER_FAULTS + PEER_FAULTS
+FAULTS = API_FAULTS + LAUNCHER_FAULTS + PEER_FAULTS + faults_launcher.FAULTS
 EXPECTED = {  # the fault's own words, in the exception or stderr
     "env_sync": f"RuntimeError: env fault at step {ENV_FAULT_STEP}",
     "env_async": f"RuntimeError: env fault at step {ENV_FAULT_STEP}",
@@ -88,6 +118,9 @@ EXPECTED = {  # the fault's own words, in the exception or stderr
     "sigterm": "stopped by SIGTERM after",
     "peer_killed": "peer process probably died",
     "peer_hung": r"process 1 stopped (in|after) update \d+ \(process 0 .*\): the silent peer",
+    **{fault: (r"BadEnvOutput: env made by NotedBadOutputEnv \(env 1 of the 4 in its "
+               rf"group\), step {ENV_FAULT_STEP}: {BAD_OUTPUT[kind]}")
+       for fault, (kind, _) in BAD_OUTPUT_FAULTS.items()},
 }
 EXIT_CODE = {"sigint": 130, "sigterm": 143, "peer_killed": 1, "peer_hung": 3}
 ACCOUNTING_CHECK = {
@@ -95,30 +128,12 @@ ACCOUNTING_CHECK = {
                     "bounds: the run raised; its live Accounting"),
     **dict.fromkeys(LAUNCHER_FAULTS, "exact: the launcher's RunResult"),
     "peer_hung": "none to read (watchdog exit): error and no process left",
+    **faults_launcher.HOW,
 }
 LAUNCHER = ["--agent=spg", "--spg_hidden_sizes=16", "--vectorization=async",
             "--envs_per_group=2", "--async_factor=1", "--steps_per_cycle=8", "--progress=false",
             "--log_every_seconds=0", "--checkpoint_every_steps=1000000000",
             "--total_env_steps=1000000000"]
-
-
-# --- the time of a fault, noted by whichever process of the run it happens in ---
-
-def note(work: str, name: str = "fault_at") -> None:
-    """Writes the time now into `work/name`, once (a later call keeps the first)."""
-    try:
-        with open(os.path.join(work, name), "x") as f:
-            f.write(repr(time.time()))
-    except FileExistsError:
-        pass
-
-
-def noted(work: str, name: str = "fault_at") -> float | None:
-    try:
-        with open(os.path.join(work, name)) as f:
-            return float(f.read())
-    except FileNotFoundError:
-        return None
 
 
 class NotedFaultyEnv(FaultyEnv):
@@ -134,44 +149,18 @@ class NotedFaultyEnv(FaultyEnv):
         return super().step(action)
 
 
-# --- a run's processes, by the marker in their environment (/proc, Linux) ---
+class NotedBadOutputEnv(BadOutputEnv):
+    """tests.envs.BadOutputEnv whose env 1 goes wrong at its step ENV_FAULT_STEP, noting
+    when."""
 
-def run_processes(marker: str) -> list[int]:
-    """Live (not zombie) processes whose marker starts with `marker`, but this one and
-    multiprocessing's resource tracker (a helper of a live process, which ends with it)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if not any(v.startswith(f"{MARKER}={marker}".encode())
-                           for v in f.read().split(b"\0")):
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] in "ZX"
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                tracker = b"resource_tracker" in f.read()
-        except OSError:
-            continue
-        if not zombie and not tracker and int(pid) != os.getpid():
-            found.append(int(pid))
-    return found
+    def __init__(self, kind: str, work: str):
+        super().__init__(kind, ENV_FAULT_STEP, bad_env=1)
+        self.work = work
 
-
-def left_behind(marker: str) -> list[int]:
-    """The run's processes still alive `SETTLE_S` after it ended."""
-    deadline = time.monotonic() + SETTLE_S
-    while (pids := run_processes(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return pids
-
-
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.kill(pid, signal.SIGCONT)  # a stopped process ends only once continued
-        except ProcessLookupError:
-            pass
+    def step(self, action):
+        if self.steps + 1 == self.bad_at and self.env_id == self.bad_env:
+            note(self.work)
+        return super().step(action)
 
 
 # --- inside a run's process (`--child`): API faults and the peers of a 2-process run ---
@@ -190,9 +179,7 @@ def observed_run(loop, on_update, **run_kwargs) -> dict:
     except Exception as e:  # noqa: BLE001 - the fault's error, whichever it is
         error = f"{type(e).__name__}: {e}"
         traceback.print_exc()  # to stderr, as an uncaught error would be
-    record = {"ended_at": time.time(), "error": error,
-              "threads_left": [t.name for t in threading.enumerate()
-                               if t.name.startswith("sebulba-")],
+    record = {"ended_at": time.time(), "error": error, "threads_left": sebulba_threads(),
               "left": left_behind(os.environ[MARKER])}
     a, cfg = seen.get("accounting"), loop.config
     if a is not None:
@@ -237,6 +224,10 @@ def api_run(fault: str, work: str) -> dict:
         "worker_killed": lambda: make_loop(env=COUNTING, vectorization="async"),
         "agent_step": lambda: make_loop(StepRaisesLater),
         "nan_loss": lambda: make_loop(NaNLater),
+        **{name: functools.partial(
+            make_loop, env=functools.partial(NotedBadOutputEnv, kind, work),
+            vectorization=vectorization)
+           for name, (kind, vectorization) in BAD_OUTPUT_FAULTS.items()},
     }[fault]()
     killed = []
 
@@ -275,36 +266,6 @@ def peer_run(fault: str, process_id: int, port: int, work: str) -> dict:
 
 # --- in this script's process: one run of a fault, measured ---
 
-def start(args: list[str], marker: str, log: str) -> subprocess.Popen:
-    """`python ARGS` in the checkout; output to files (a full pipe would block it)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**env, MARKER: marker},
-                                stdout=out, stderr=err)
-
-
-def read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def last_json(path: str) -> dict:
-    lines = [line for line in read(path).splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {}
-
-
-def wait_for(ready, procs: list[subprocess.Popen], timeout: float = 180.0) -> str | None:
-    """Until `ready()`; what went wrong otherwise."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if any(p.poll() is not None for p in procs):
-            return f"a process ended before the fault: exits {[p.poll() for p in procs]}"
-        if time.monotonic() > deadline:
-            return f"not ready within {timeout} s"
-        time.sleep(0.1)
-    return None
-
-
 def measure_api(fault: str, marker: str, work: str) -> dict:
     proc = start(["-m", "benchmarks.faults", f"--child={fault}", f"--work={work}"], marker,
                  os.path.join(work, "p0"))
@@ -317,7 +278,7 @@ def measure_api(fault: str, marker: str, work: str) -> dict:
     at = noted(work)
     return {"seconds": None if at is None else round(child["ended_at"] - at, 2),
             "error_visible": bool(re.search(expected, child["error"])),
-            "error": child["error"][-300:], "left": child["left"],
+            "error": child["error"][:400], "left": child["left"],
             "threads_left": child["threads_left"],
             "accounting_held": child.get("accounting", {}).get("held", False),
             "accounting": child.get("accounting")}
@@ -392,20 +353,29 @@ def measure_processes(fault: str, marker: str, work: str) -> dict:
             p.wait()
 
 
-def measure(fault: str) -> dict:
-    """One run of `fault`; its processes are counted, then killed."""
+def deadline(fault: str) -> float:
+    return faults_launcher.DEADLINE_S.get(fault, DEADLINE_S)
+
+
+def measure(fault: str, shared: str) -> dict:
+    """One run of `fault`; its processes are counted, then killed. `shared`: what every
+    run may read (the launcher cases' trained logdirs)."""
     marker = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix=f"fault-{fault}-") as work:
         try:
-            record = (measure_api if fault in API_FAULTS else measure_processes)(
-                fault, marker, work)
+            if fault in faults_launcher.FAULTS:
+                record = faults_launcher.measure(fault, marker, work, shared)
+            else:
+                record = (measure_api if fault in API_FAULTS else measure_processes)(
+                    fault, marker, work)
         except subprocess.TimeoutExpired as e:
             record = {"why": f"timed out: {e}"}
         record["left"] = sorted(set(record.get("left", [])) | set(left_behind(marker)))
         kill_all(run_processes(marker))
     seconds = record.get("seconds")
     record["ended_with_error"] = bool(
-        record.get("error_visible") and seconds is not None and 0 <= seconds <= DEADLINE_S)
+        record.get("error_visible") and seconds is not None
+        and 0 <= seconds <= deadline(fault))
     return record
 
 
@@ -417,7 +387,7 @@ def summarize(fault: str, records: list[dict]) -> dict:
                 if not (r["ended_with_error"] and r.get("accounting_held")) or r["left"]
                 or r.get("threads_left")]
     return {
-        "record": "fault", "fault": fault, "runs": len(records),
+        "record": "fault", "fault": fault, "runs": len(records), "deadline_s": deadline(fault),
         "ended_with_error": sum(r["ended_with_error"] for r in records),
         "seconds_median": seconds[len(seconds) // 2] if seconds else None,
         "seconds_max": seconds[-1] if seconds else None,
@@ -431,17 +401,17 @@ def summarize(fault: str, records: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"| fault | runs | ended within {DEADLINE_S:g} s, original error visible | "
-             "seconds to the end, median (max) | processes left | accounting identity held "
-             "| how accounting was checked |", "|" + " --- |" * 7]
+    lines = ["| fault | runs | ended within its deadline, its own words visible | "
+             "seconds to the end, median (max) | processes left | nothing lost (accounting "
+             "identity held) | how it was checked |", "|" + " --- |" * 7]
     for r in rows:
         threads = f" (+{r['threads_left']} threads)" if r["threads_left"] else ""
         raised = (f"; `run` raised in at most {r['error_seconds_max']}"
                   if "error_seconds_max" in r else "")
-        lines.append(f"| {r['fault']} | {r['runs']} | {r['ended_with_error']}/{r['runs']} | "
-                     f"{r['seconds_median']} ({r['seconds_max']}){raised} | {r['processes_left']}"
-                     f"{threads} | {r['accounting_held']}/{r['runs']} | "
-                     f"{r['accounting_check']} |")
+        lines.append(f"| {r['fault']} | {r['runs']} | {r['ended_with_error']}/{r['runs']} "
+                     f"({r['deadline_s']:g} s) | {r['seconds_median']} ({r['seconds_max']})"
+                     f"{raised} | {r['processes_left']}{threads} | "
+                     f"{r['accounting_held']}/{r['runs']} | {r['accounting_check']} |")
     return "\n".join(lines)
 
 
@@ -468,21 +438,24 @@ def main(argv: list[str] | None = None) -> None:
             from sebulba.runtime import distributed
             distributed.end_failed_process("the run failed (traceback above)")
         return
+    if args.child in faults_launcher.CHILDREN:
+        print(json.dumps(faults_launcher.CHILDREN[args.child](args.work)), flush=True)
+        return
     from benchmarks._util import emit, meta, str_list
 
     faults = str_list(args.faults)
     if set(faults) - set(FAULTS):
         raise SystemExit(f"unknown faults {sorted(set(faults) - set(FAULTS))}; known: "
                          + ", ".join(FAULTS))
-    with tempfile.TemporaryDirectory(prefix="fault-jax-cache-") as cache:
-        os.environ.update(JAX_COMPILATION_CACHE_DIR=cache,
+    with tempfile.TemporaryDirectory(prefix="fault-shared-") as shared:
+        os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(shared, "jax-cache"),
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
         emit(meta("faults", vars(args)))
         rows = []
         for fault in faults:
             records = []
             for i in range(args.repeats):
-                records.append(measure(fault))
+                records.append(measure(fault, shared))
                 print(f"{fault} {i}: {json.dumps(records[-1])[:600]}", file=sys.stderr,
                       flush=True)
             rows.append(summarize(fault, records))

@@ -198,11 +198,12 @@ def test_the_hard_exit_comes_at_the_grace_even_while_the_main_thread_waits_in_c(
 def test_the_launcher_cuts_a_long_update_and_saves_within_the_grace(tmp_path):
     logdir = tmp_path / "run"
     grace = 6.0
-    # Tiny PPO batches and many epochs: an update of thousands of optimizer steps, far
-    # longer than the grace.
+    # Tiny PPO batches and many epochs: an update of 60,000 optimizer steps, far longer
+    # than the grace (about 17 s on a loaded 2-core VM; with 20,000 an update of 4-5 s
+    # could end within the half grace it gets, rightly uncut).
     proc = _launch([f"--logdir={logdir}", "--agent=ppo", "--vectorization=sync",
                     "--envs_per_group=4", "--steps_per_cycle=8", "--async_factor=1",
-                    "--ppo_num_epochs=20000", "--ppo_num_minibatches=1",
+                    "--ppo_num_epochs=60000", "--ppo_num_minibatches=1",
                     f"--preemption_grace_seconds={grace}", "--progress=false",
                     "--log_every_seconds=0", "--checkpoint_every_steps=1000000000",
                     "--total_env_steps=1000000000"])

@@ -59,7 +59,7 @@ def assert_usage_error(result: subprocess.CompletedProcess, message: str) -> Non
      "--env 'no_such_module' is not an importable PettingZoo env module"),
     (['--env_kwargs={"foo": 1}'], "--env_kwargs {'foo': 1} do not fit env 'CartPole-v1'"),
     # absl's own parse errors are reported the same way.
-    (["--agent=nope"], "flag --agent=nope: value should be one of <impala|ppo|r2d2|spg>"),
+    (["--agent=nope"], "flag --agent=nope: value should be one of <impala|ppo|r2d2|sac|spg>"),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--envs_per_group=0"], "--envs_per_group must be an int >= 1, got 0"),
     # Another agent's flag would be ignored.

@@ -260,7 +260,8 @@ class Sebulba:
             # estimate from before allocating.
             self._memory_checked = True
             return
-        memory.check_fits(need, f"the layout ({cfg.num_groups} env groups of "
+        groups = "1 env group" if cfg.num_groups == 1 else f"{cfg.num_groups} env groups"
+        memory.check_fits(need, f"the layout ({groups} of "
                           f"{cfg.envs_per_group:,} envs, {cfg.steps_per_cycle} steps per "
                           "cycle)")
         self._memory_checked = True
