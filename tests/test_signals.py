@@ -154,6 +154,19 @@ class BusyLearnerAgent(CountingAgent):
         return jnp.square(nets["w"]) + 0.0 * busy, (experience, {"w": busy})
 
 
+def _sigterm_after(proc: subprocess.Popen, delay_s: float) -> tuple[str, str, float]:
+    """SIGTERM to `proc` after `delay_s`; its stdout, stderr and the seconds it took to
+    end after the signal (killed if it has not ended 60 s after)."""
+    try:
+        time.sleep(delay_s)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        return out, err, time.monotonic() - sent
+    finally:
+        proc.kill()
+
+
 HARD_EXIT_SCRIPT = textwrap.dedent("""
     import functools, sys
     import sebulba
@@ -179,15 +192,11 @@ def test_the_hard_exit_comes_at_the_grace_even_while_the_main_thread_waits_in_c(
     proc = subprocess.Popen([sys.executable, "-c", HARD_EXIT_SCRIPT, str(grace)],
                             cwd=os.path.dirname(os.path.dirname(__file__)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline() == "training\n", proc.stderr.read()
-        time.sleep(8.0)  # compiled, and in update 1's 120 s optimizer step
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
-    finally:
+    if proc.stdout.readline() != "training\n":
         proc.kill()
+        raise AssertionError(proc.stderr.read())
+    # 8 s: compiled, and in update 1's 120 s optimizer step.
+    _, err, took = _sigterm_after(proc, 8.0)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "did not stop within 2 s of SIGTERM" in err, err
     assert grace <= took < grace + 3.0, took  # not when the 120 s wait returns
@@ -209,13 +218,10 @@ def test_the_launcher_cuts_a_long_update_and_saves_within_the_grace(tmp_path):
                     "--total_env_steps=1000000000"])
     try:
         _wait_until_training(proc, logdir, timeout=180)
-        time.sleep(1.0)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
-    finally:
+    except BaseException:
         proc.kill()
+        raise
+    out, err, took = _sigterm_after(proc, 1.0)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert took < grace, (took, err[-3000:])  # a clean stop, not the hard exit
     assert "did not stop within" not in err
