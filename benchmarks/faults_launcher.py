@@ -66,6 +66,26 @@ from benchmarks.fault_runs import (
     wait_timed,
 )
 
+
+def sigterm_when(proc, ready: Callable[[], bool], delay_s: float
+                 ) -> tuple[str | None, float, int | None, float | None]:
+    """SIGTERM to `proc` `delay_s` after `ready()` holds: (why it never did, or None; the
+    time the signal was sent; `wait_timed`'s exit code and end time). The process is
+    killed if it is still alive at the end."""
+    try:
+        why = wait_for(ready, [proc])
+        if why is not None:
+            return why, 0.0, None, None
+        time.sleep(delay_s)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        return (None, sent, *wait_timed(proc, 60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 SPG = ["--agent=spg", "--vectorization=sync", "--envs_per_group=2", "--async_factor=1",
        "--steps_per_cycle=8", "--progress=false", "--log_every_seconds=0"]
 SMALL_NETS, BIG_NETS = "--spg_hidden_sizes=16", "--spg_hidden_sizes=512,512"
@@ -355,19 +375,11 @@ def measure_update_cut(marker: str, work: str, shared: str) -> dict:
                   "--checkpoint_every_steps=1000000000", "--total_env_steps=1000000000"],
                  marker, log)
     metrics = logdir / "metrics.jsonl"
-    try:
-        why = wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1,
-                       [proc])
-        if why is not None:
-            return {"why": f"{why}: {read(log + '.err')[-1500:]}"}
-        time.sleep(1.0)  # into update 2's optimizer steps
-        sent = time.time()
-        proc.send_signal(signal.SIGTERM)
-        rc, ended = wait_timed(proc, 60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # 1 s into update 2's optimizer steps
+    why, sent, rc, ended = sigterm_when(
+        proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 1.0)
+    if why is not None:
+        return {"why": f"{why}: {read(log + '.err')[-1500:]}"}
     out, err, summary = read(log + ".out"), read(log + ".err"), last_json(log + ".out")
     found = re.search(r"stopped by SIGTERM after [\d,]+ env steps; checkpoint in .*", err)
     ok = (found is not None and "cut short by" in out and "did not stop within" not in err
@@ -413,18 +425,10 @@ def measure_hard_exit(marker: str, work: str, shared: str) -> dict:
     log = os.path.join(work, "p0")
     proc = start(["-m", "benchmarks.faults", "--child=hard_exit", f"--work={work}"], marker,
                  log)
-    try:
-        why = wait_for(lambda: noted(work, "busy") is not None, [proc])
-        if why is not None:
-            return {"why": f"{why}: {read(log + '.err')[-1500:]}"}
-        time.sleep(0.5)  # in the call
-        sent = time.time()
-        proc.send_signal(signal.SIGTERM)
-        rc, ended = wait_timed(proc, 60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # 0.5 s into the call
+    why, sent, rc, ended = sigterm_when(proc, lambda: noted(work, "busy") is not None, 0.5)
+    if why is not None:
+        return {"why": f"{why}: {read(log + '.err')[-1500:]}"}
     err = read(log + ".err")
     found = re.search(rf".*the run did not stop within {grace:g} s of SIGTERM.*", err)
     ok = found is not None and rc == 128 + signal.SIGTERM and "Traceback" not in err
