@@ -264,7 +264,9 @@ class BatchCheck:
         rows = np.flatnonzero(~(finite_obs & finite_reward))
         if not len(rows):
             return
-        row = int(rows[0])
+        # Of several bad envs, name the one of lowest id: the same whatever order the
+        # source returned them in.
+        row = int(rows[0] if ids is None else rows[np.argmin(ids[rows])])
         if not finite_obs[row]:
             entry = tuple(int(i) for i in np.argwhere(~np.isfinite(obs[row]))[0])
             value = obs[row][entry]
