@@ -173,6 +173,8 @@ class RunResult:
         returns, length in env steps) of the most recent `EPISODE_WINDOW` env episodes
         (multi-agent only; `team_episodes_total` counts all).
       stopped_early: the run ended on its `stop` event before consuming its steps.
+      inferencer_threads: this process's inferencer threads (their stages' seconds are
+        summed over them).
     """
 
     env_steps: int
@@ -199,6 +201,7 @@ class RunResult:
     team_episodes: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
     stopped_early: bool = False
     team_episodes_total: int = 0
+    inferencer_threads: int = 1
 
     @property
     def team_steps(self) -> int:

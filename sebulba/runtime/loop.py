@@ -435,6 +435,7 @@ class Sebulba:
             team_episodes_total=accounting.team_episodes_total,
             learner_experience=learner.experience,
             stopped_early=run.stopped_early,
+            inferencer_threads=len(run.runners),
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:
