@@ -316,6 +316,14 @@ RUN_FLAG_CONVERSIONS: dict[str, FlagConversion] = {
     "action_poll_s": FlagConversion(
         lambda name, default, help, **kw: flags.DEFINE_float(name, default, help, **kw),
         _identity),
+    # int | None: a local device index, unset = None.
+    "eval_device": FlagConversion(
+        lambda name, default, help, **kw: flags.DEFINE_integer(name, default, help, **kw),
+        _identity),
+    # str | None: a directory, unset = None.
+    "eval_video_dir": FlagConversion(
+        lambda name, default, help, **kw: flags.DEFINE_string(name, default, help, **kw),
+        _identity),
     # str, a multiprocessing start method: an enum of this platform's methods.
     "async_context": FlagConversion(
         _define_enum(tuple(multiprocessing.get_all_start_methods())), _identity),

@@ -47,7 +47,7 @@ from sebulba.checkpoint import (
     process_directory,
 )
 from sebulba.envs import registry
-from sebulba.metrics import Reporter, default_writers
+from sebulba.metrics import MultiWriter, Reporter, WandbWriter, default_writers
 from sebulba.runtime import distributed
 from sebulba.runtime.preemption import Preemption
 
@@ -100,6 +100,18 @@ _PROGRESS_TIMEOUT = flags.DEFINE_float(
     "process, naming the processes that are behind (one stuck in Python keeps its "
     "heartbeats going). The first env step and update (start-up, compilation) may take "
     "600 s if that is longer.")
+_EVAL_VIDEO = flags.DEFINE_bool(
+    "eval_video", False,
+    "Record one evaluation episode every --eval_video_every evaluations to LOGDIR/videos "
+    "(and to TensorBoard and W&B); needs --logdir and --eval_every_updates, and an env "
+    "that renders. --eval_video_dir records elsewhere.")
+_WANDB_PROJECT = flags.DEFINE_string(
+    "wandb_project", None,
+    "Also log metrics, the config and videos to this Weights & Biases project (the wandb "
+    "extra); TensorBoard and metrics.jsonl (with --logdir) stay.")
+_WANDB_MODE = flags.DEFINE_enum(
+    "wandb_mode", "online", ["online", "offline", "disabled"],
+    "wandb's mode: offline writes under --logdir (or ./wandb) for `wandb sync` later.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100,
     "Multi-process runs: a peer that stops answering for this long ends every process.")
@@ -304,9 +316,25 @@ def check_command_line(argv: list[str]) -> None:
     for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
         if holder.value < 1:
             raise app.UsageError(f"--{holder.name} must be >= 1, got {holder.value}")
+    check_watching_flags()
     if _HEARTBEAT.value < 1:
         raise app.UsageError(
             f"--heartbeat_timeout_seconds must be >= 1, got {_HEARTBEAT.value}")
+
+
+def check_watching_flags() -> None:
+    """UsageError for --eval_video or --wandb_project that cannot work."""
+    if _EVAL_VIDEO.value and not _LOGDIR.value:
+        raise app.UsageError("--eval_video needs --logdir (videos go to LOGDIR/videos)")
+    if _EVAL_VIDEO.value and not flags.FLAGS["eval_every_updates"].value:
+        raise app.UsageError("--eval_video records evaluation episodes: it needs "
+                             "--eval_every_updates > 0")
+    if _WANDB_PROJECT.value is not None:
+        try:
+            import wandb  # noqa: F401 - only whether it is installed
+        except ImportError:
+            raise app.UsageError("--wandb_project needs the wandb extra: pip install "
+                                 "'sebulba[wandb]'") from None
 
 
 def make_config() -> tuple[object, sebulba.Config]:
@@ -315,6 +343,8 @@ def make_config() -> tuple[object, sebulba.Config]:
     try:
         agent_config = _AGENT_FLAGS[_AGENT.value].config()
         run_values = _RUN_FLAGS.values()
+        if _EVAL_VIDEO.value and run_values["eval_video_dir"] is None:
+            run_values["eval_video_dir"] = os.path.join(_LOGDIR.value, "videos")
         # An agent that builds sequences from whole cycles (R2D2) fixes T unless it is set.
         period = getattr(agent_config, "sequence_period", None)
         if period is not None and not flags.FLAGS[_RUN_FLAGS.flag_name("steps_per_cycle")].present:
@@ -455,11 +485,25 @@ def set_aside_damaged(launch: Launch) -> None:
             print(f"moved the damaged checkpoint {step} to {where}", file=sys.stderr)
 
 
+def run_writers(launch: Launch) -> MultiWriter | None:
+    """Where process 0 writes metrics: TensorBoard and metrics.jsonl in --logdir, and
+    W&B with --wandb_project (the run's metadata and flags as its config)."""
+    writers = list(default_writers(_LOGDIR.value).writers) if _LOGDIR.value else []
+    if _WANDB_PROJECT.value is not None:
+        config = {**launch.metadata, "run": {k: v if isinstance(v, int | float | str | bool)
+                                             else repr(v)
+                                             for k, v in _RUN_FLAGS.values().items()},
+                  "total_env_steps": _TOTAL_ENV_STEPS.value}
+        writers.append(WandbWriter(_WANDB_PROJECT.value, _LOGDIR.value, config,
+                                   mode=_WANDB_MODE.value))
+    return MultiWriter(writers) if writers else None
+
+
 def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
     """Runs the loop to --total_env_steps, reporting metrics and saving checkpoints every
     --checkpoint_every_steps and at the end."""
     primary, own = jax.process_index() == 0, launch.own
-    writer = default_writers(_LOGDIR.value) if (_LOGDIR.value and primary) else None
+    writer = run_writers(launch) if primary else None
     reporter = Reporter(_TOTAL_ENV_STEPS.value, writer, every_seconds=_LOG_EVERY.value,
                         progress=_PROGRESS.value and primary, step_offset=launch.consumed,
                         num_processes=jax.process_count())

@@ -84,6 +84,23 @@ class Config:
         from all trajectories before it (policy lag 0), so a run on deterministic envs
         repeats bit for bit, resumed or not. For reproducing and debugging, not speed:
         needs one env group per process and envs stepped in order.
+      eval_every_updates: evaluate the networks the learner publishes every this many
+        learner updates, on a thread with envs of its own (sebulba.runtime.evaluator),
+        never waiting and never making the learner or the inferencers wait; 0: no
+        evaluation during training. Results go to `on_update`'s `UpdateInfo.evaluations`
+        and `RunResult.evaluations`. Process 0 of a multi-process run evaluates.
+      eval_episodes: complete episodes per evaluation, one env each (a multi-agent
+        env's episodes: its env episodes).
+      eval_greedy: evaluate `Agent.greedy_step` (False: `Agent.step`, sampling).
+      eval_device: the local device index (or device) evaluation runs on; None: the
+        first inference device.
+      eval_max_share: an evaluation due is skipped while the evaluator's env steps would
+        pass this share of the training's (the next evaluation's estimated as the
+        last's): with the default, evaluation costs at most 2% of the env steps.
+      eval_video_dir: record one more episode every `eval_video_every` evaluations to
+        this directory (`update_<learner update>.mp4`); the env must render
+        (render_mode="rgb_array"). None: no video.
+      eval_video_every: evaluations per recorded episode.
     """
 
     env: str | EnvFactory = "CartPole-v1"
@@ -108,6 +125,13 @@ class Config:
     desync_episodes: bool = False
     agent_ids: bool = False
     lockstep: bool = False
+    eval_every_updates: int = 0
+    eval_episodes: int = 10
+    eval_greedy: bool = True
+    eval_device: DeviceLike | None = None
+    eval_max_share: float = 0.02
+    eval_video_dir: str | None = None
+    eval_video_every: int = 10
 
     def __post_init__(self):
         _positive("envs_per_group", self.envs_per_group)
@@ -150,6 +174,7 @@ class Config:
         if self.lockstep and not kind.steps_in_order:
             raise ValueError(f"lockstep needs envs stepped in order; vectorization "
                              f"{self.vectorization!r} returns whichever envs are ready")
+        self._check_evaluation(kind)
         # One canonical tuple, so that equal configs compare equal and a checkpoint records
         # the same text for the same wrappers.
         object.__setattr__(self, "env_wrappers", parse_wrappers(self.env_wrappers))
@@ -170,6 +195,30 @@ class Config:
                 f"(async_factor={self.async_factor} x "
                 f"{len(self.resolved_inference_devices())} inference devices): with several "
                 "groups the order in which trajectories reach the learner depends on timing")
+
+    def _check_evaluation(self, kind: registry.EnvSourceKind) -> None:
+        if not isinstance(self.eval_every_updates, int) or self.eval_every_updates < 0:
+            raise ValueError(f"eval_every_updates must be an int >= 0 (0: no evaluation), "
+                             f"got {self.eval_every_updates!r}")
+        _positive("eval_episodes", self.eval_episodes)
+        _positive("eval_video_every", self.eval_video_every)
+        if not 0 < self.eval_max_share <= 1:
+            raise ValueError(f"eval_max_share must be a share of the env steps in (0, 1], "
+                             f"got {self.eval_max_share!r}")
+        if not self.eval_every_updates:
+            return
+        if kind.evaluate_as is None:
+            raise ValueError(f"eval_every_updates={self.eval_every_updates}: vectorization "
+                             f"{self.vectorization!r} does not support evaluation (its "
+                             "registry entry has evaluate_as=None)")
+        if self.eval_device is not None:
+            self.resolved_eval_device()
+
+    def resolved_eval_device(self) -> jax.Device:
+        """The device evaluation runs on."""
+        if self.eval_device is None:
+            return self.resolved_inference_devices()[0]
+        return _resolve("eval_device", [self.eval_device])[0]
 
     def env_spec(self) -> EnvSpec:
         """The spec of this run's env, as the loop checks the agent's against."""

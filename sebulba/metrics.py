@@ -1,8 +1,10 @@
-"""Where run metrics go: TensorBoard event files, JSON lines, a progress bar.
+"""Where run metrics go: TensorBoard event files, JSON lines, Weights & Biases, a
+progress bar.
 
 `MetricWriter` is the one interface: `write(step, scalars)` and `close()`. Writers are
 cheap to combine (`MultiWriter`); `Reporter` turns the loop's `on_update` calls into
-periodic writes and a live tqdm bar.
+periodic writes (evaluations as they finish, with their videos) and a live tqdm bar:
+one reporter feeds every sink.
 """
 
 from __future__ import annotations
@@ -12,14 +14,20 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 
+from sebulba.runtime import bottleneck
+from sebulba.runtime.evaluator import Evaluation
 from sebulba.runtime.loop import UpdateInfo
 
 
 class MetricWriter(Protocol):
+    """A sink of metrics. One may also take videos: `write_video(step, tag, frames, fps)`
+    with frames [T, H, W, 3] uint8 (`MultiWriter` passes them to those that do)."""
+
     def write(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -54,8 +62,52 @@ class TensorBoardWriter:
             self._writer.add_scalar(name, value, global_step=int(step))
         self._writer.flush()
 
+    def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
+        # TensorBoard keeps videos as GIFs in its event file: frames are halved in size
+        # until at most 256 pixels wide, so that an episode stays a few MB.
+        stride = max(1, int(np.ceil(frames.shape[2] / 256)))
+        small = frames[:, ::stride, ::stride]
+        self._writer.add_video(tag, small.transpose(0, 3, 1, 2)[None], global_step=int(step),
+                               fps=fps)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
+
+
+class WandbWriter:
+    """Scalars, the run's config and videos to Weights & Biases (the `wandb` extra).
+
+    `mode` is wandb's: "online", "offline" (written under `logdir/wandb`, synced later
+    with `wandb sync`; needs no network) or "disabled".
+    """
+
+    def __init__(self, project: str, logdir: str | None, config: Mapping[str, Any],
+                 mode: str = "online", name: str | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("Weights & Biases needs the wandb extra: pip install "
+                             "'sebulba[wandb]'") from None
+        self._wandb = wandb
+        self._run = wandb.init(project=project, dir=logdir, config=dict(config), mode=mode,
+                               name=name, reinit="create_new")
+        # wandb's own step must only grow, but an evaluation is written at the (earlier)
+        # step its networks were published at: every figure is plotted against
+        # "env_steps" instead.
+        self._run.define_metric("env_steps")
+        self._run.define_metric("*", step_metric="env_steps")
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self._run.log({**{k: _finite_or_none(v) for k, v in scalars.items()},
+                       "env_steps": int(step)})
+
+    def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
+        self._run.log({tag: self._wandb.Video(frames.transpose(0, 3, 1, 2), fps=fps,
+                                              format="mp4"), "env_steps": int(step)})
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 class MultiWriter:
@@ -65,6 +117,11 @@ class MultiWriter:
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         for w in self.writers:
             w.write(step, scalars)
+
+    def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
+        for w in self.writers:
+            if hasattr(w, "write_video"):
+                w.write_video(step, tag, frames, fps)
 
     def close(self) -> None:
         for w in self.writers:
@@ -106,6 +163,9 @@ class Reporter:
         self._last_write = time.monotonic()
         self._last_steps = step_offset
         self._episodes_seen = 0
+        self._eval_return: float | None = None  # the last evaluation's, for the bar
+        self._videos = ThreadPoolExecutor(1, thread_name_prefix="sebulba-video-writer")
+        self._bound = bottleneck.Tracker()  # what bounds the run, for the bar
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -120,6 +180,9 @@ class Reporter:
         step = self.global_step(info)
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
+        for evaluation in info.evaluations:  # rare: written as they come
+            self._write_evaluation(evaluation)
+        bound = self._bound(info.accounting.stage_seconds)
         now = time.monotonic()
         if now - self._last_write < self.every_seconds:
             return
@@ -140,11 +203,28 @@ class Reporter:
             if recent:
                 # Significant digits: one decimal is useless for returns in [-1, 1].
                 postfix["return"] = f"{np.mean(recent):.4g}"
+            if self._eval_return is not None:
+                postfix["eval"] = f"{self._eval_return:.4g}"
+            postfix["bound"] = bound.short()
             self._bar.set_postfix(postfix, refresh=False)
         if self.writer is not None:
             self.writer.write(step, scalars)
 
+    def _write_evaluation(self, evaluation: Evaluation) -> None:
+        """An evaluation's figures at the step its networks were published at."""
+        scalars = evaluation.scalars()
+        self._eval_return = scalars["eval/return"]
+        step = self.step_offset + evaluation.env_steps
+        if self.writer is None:
+            return
+        self.writer.write(step, scalars)
+        if evaluation.video_frames is not None and hasattr(self.writer, "write_video"):
+            # Encoding a video takes seconds: on a thread of its own, not the learner's.
+            self._videos.submit(self.writer.write_video, step, "eval/video",
+                                evaluation.video_frames, evaluation.video_fps)
+
     def close(self) -> None:
+        self._videos.shutdown(wait=True)
         if self._bar is not None:
             self._bar.close()
         if self.writer is not None:

@@ -45,14 +45,28 @@ def test_each_env_runs_its_share_of_episodes_so_short_ones_are_not_favoured():
 
 
 @pytest.mark.timeout(60)
-def test_multi_agent_kinds_and_sources_of_several_groups_are_refused():
+def test_a_multi_agent_env_is_evaluated_by_its_env_episodes_per_agent_and_team():
+    role_call = "sebulba.envs.suite.role_call"
+    agent = SPG(sebulba.env_spec(role_call, vectorization="pettingzoo", agent_ids=True))
+    nets = agent.new_networks(jax.random.key(0))
+    result = evaluate(agent, nets, role_call, 5, num_envs=2, vectorization="pettingzoo",
+                      agent_ids=True, env_kwargs={"episode_length": 4})
+    assert result.lengths == [4] * 5  # env episodes, 3 on env 0 and 2 on env 1
+    assert sorted(result.agent_returns) == ["agent_0", "agent_1", "agent_2"]
+    team = np.sum(list(result.agent_returns.values()), axis=0)
+    np.testing.assert_allclose(result.returns, team, rtol=1e-5)
+    # each agent's return is a share of its right answers: in [0, 1], not all equal
+    every = np.concatenate(list(result.agent_returns.values()))
+    assert every.min() >= 0 and every.max() <= 1 and len(set(every.tolist())) > 1
+    summary = result.as_dict()
+    assert summary["mean_agent_return"] == pytest.approx(every.mean())
+
+
+@pytest.mark.timeout(60)
+def test_sources_of_several_groups_are_refused():
     from sebulba.envs import registry
     from tests.test_env_registry import SIGN, SignSource
 
-    agent = SPG(sebulba.env_spec(ShortOrLong))
-    nets = agent.new_networks(jax.random.key(0))
-    with pytest.raises(ValueError, match="single-agent envs, so not vectorization 'pettingzoo'"):
-        evaluate(agent, nets, "mpe2.simple_spread_v3", 2, vectorization="pettingzoo")
     made = []
 
     def two_groups(request):  # a source that ignores the request's one group

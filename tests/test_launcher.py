@@ -80,6 +80,8 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     ("--ppo_hidden_sizes=64,x", "--ppo_hidden_sizes must be comma-separated ints"),
     ("--total_env_steps=0", "--total_env_steps must be >= 1, got 0"),
     ("--agent=nope", "value should be one of"),
+    ("--eval_video", "--eval_video needs --logdir"),
+    ("--eval_every_updates=-2", "--eval_every_updates must be an int >= 0"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_flag_is_a_clear_error_before_anything_starts(flag, message):
@@ -87,6 +89,31 @@ def test_bad_flag_is_a_clear_error_before_anything_starts(flag, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert "env steps" not in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_evaluations_during_training_reach_every_sink_and_wandb_offline(tmp_path):
+    logdir = str(tmp_path / "run")
+    result = run("examples.train", f"--logdir={logdir}", "--total_env_steps=6000",
+                 "--eval_every_updates=2", "--eval_episodes=2", "--eval_max_share=1",
+                 "--wandb_project=sebulba-test", "--wandb_mode=offline", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(logdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    evaluations = [r for r in rows if "eval/return" in r]
+    assert evaluations, rows[-3:]
+    for row in evaluations:  # at the step its networks were published: 64 per update
+        assert row["step"] == row["eval/learner_update"] * 8 * 8
+        assert row["eval/episodes"] == 2 and 1 <= row["eval/return"] <= 500
+    # W&B offline: the same scalars (against env_steps) and the run's config, in its
+    # run file under the logdir
+    (run_file,) = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(logdir, "wandb"))
+                   for f in files if f.endswith(".wandb")]
+    with open(run_file, "rb") as f:
+        recorded = f.read()
+    for key in [b"eval/return", b"episode/return", b"learner/loss", b"env_steps",
+                b"eval_every_updates", b"CartPole-v1"]:
+        assert key in recorded, key
 
 
 @pytest.mark.timeout(60)

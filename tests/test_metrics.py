@@ -117,7 +117,7 @@ def test_the_reporter_reports_every_episode_once():
     writer = types.SimpleNamespace(write=lambda step, scalars: rows.append(dict(scalars)),
                                    close=lambda: None)
     reporter = Reporter(100, writer, every_seconds=0.0, progress=False)
-    info = types.SimpleNamespace(accounting=accounting, metrics={}, version=1)
+    info = types.SimpleNamespace(accounting=accounting, metrics={}, version=1, evaluations=())
     for _ in range(5):
         reporter(info)
     reporter.close()

@@ -27,6 +27,8 @@ class EnvSource(Protocol):
 
     A multi-agent source also has `padding_steps` (rows of agents that left their episode
     while their env went on) and `pop_team_episodes()`, as `pettingzoo_source` does.
+    A source whose envs were made with render_mode="rgb_array" may have `render()`: the
+    frame of its first env ([H, W, 3] uint8), for evaluation videos.
     """
 
     num_envs: int
@@ -102,6 +104,15 @@ class EpisodeTracker:
         self._lengths = np.zeros(num_envs, np.int64)
         self._untallied: tuple | None = None  # (ids or None: all, reward, first, last)
         self._ended: list[tuple[float, int]] = []
+
+    def restart(self) -> None:
+        """Forgets every episode under way: the envs were reset (a source reset again,
+        as an evaluation's is before each evaluation)."""
+        self._was_last = np.ones_like(self._was_last)
+        self._returns[:] = 0.0
+        self._lengths[:] = 0
+        self._untallied = None
+        self._ended = []
 
     def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
                 ) -> tuple[EnvStep, int]:

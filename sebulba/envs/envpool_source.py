@@ -101,6 +101,7 @@ class EnvPoolSource:
         self.num_groups, self.group_size = num_groups, group_size
         self.num_envs = num_groups * group_size
         self.pool = make_pool(task_id, self.num_envs, group_size, seed, env_kwargs)
+        self._render_mode = (env_kwargs or {}).get("render_mode")
         self._tracker = EpisodeTracker(self.num_envs, self.pool.observation_space)
         self._action_dtype = self.pool.action_space.dtype
         self._to_env = action_to_env(self.pool.action_space)
@@ -118,6 +119,7 @@ class EnvPoolSource:
     def reset(self, seed: int) -> None:
         del seed  # the pool was seeded when made; env i gets seed + i
         self.pool.async_reset()
+        self._tracker.restart()
 
     def recv(self) -> tuple[np.ndarray, EnvStep, int]:
         if self._raw is None:
@@ -135,6 +137,12 @@ class EnvPoolSource:
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         return self._tracker.pop_episodes()
+
+    def render(self) -> np.ndarray | None:
+        """Env 0's frame (a pool made with render_mode="rgb_array"), else None."""
+        if self._render_mode != "rgb_array":
+            return None
+        return np.asarray(self.pool.render()[0])
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = np.asarray(self._to_env(actions), self._action_dtype)

@@ -337,6 +337,7 @@ class VectorEnvSource:
     def reset(self, seed: int) -> None:
         with named_worker_deaths(self.vec, "resetting its env"):
             obs, _ = self.vec.reset(seed=seed)
+        self._tracker.restart()
         zeros = np.zeros(self.num_envs, bool)
         self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
 
@@ -348,6 +349,11 @@ class VectorEnvSource:
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         return self._tracker.pop_episodes()
+
+    def render(self) -> np.ndarray | None:
+        """The first env's frame (envs made with render_mode="rgb_array"), else None."""
+        frames = self.vec.render() if self.vec.render_mode == "rgb_array" else None
+        return None if frames is None else np.asarray(frames[0])
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = self._to_env(actions)

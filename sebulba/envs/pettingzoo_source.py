@@ -163,7 +163,7 @@ class ParallelEnvSource:
         self._acted = False
         self._result: tuple | None = None
         self._ended: list[tuple[float, int]] = []
-        self._team_ended: list[tuple[float, int]] = []
+        self._team_ended: list[tuple[int, float, int, np.ndarray]] = []
         self.padding_steps = 0
         # With `check_output`: each agent's fields as they leave its env, and the rows
         # recv returns (`output_checks`); None: no check at all.
@@ -257,8 +257,19 @@ class ParallelEnvSource:
         return ended
 
     def pop_team_episodes(self) -> list[tuple[float, int]]:
+        return [(ret, length) for _, ret, length, _ in self.pop_env_episodes()]
+
+    def pop_env_episodes(self) -> list[tuple[int, float, int, np.ndarray]]:
+        """(env, team return, length, each agent's return [K]) of the env episodes that
+        ended since the last call (an agent's return counts from when it last joined)."""
         ended, self._team_ended = self._team_ended, []
         return ended
+
+    def render(self) -> np.ndarray | None:
+        """The first env's frame (envs made with render_mode="rgb_array"), else None."""
+        env = self.envs[0]
+        return (np.asarray(env.render()) if getattr(env, "render_mode", None) == "rgb_array"
+                else None)
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = self._to_env(np.asarray(actions))
@@ -308,8 +319,9 @@ class ParallelEnvSource:
             self._team_returns[i] += float(reward[base:base + k].sum())
             if not env.agents:
                 self._needs_reset[i] = True
-                self._team_ended.append((float(self._team_returns[i]),
-                                         int(self._env_lengths[i])))
+                self._team_ended.append((i, float(self._team_returns[i]),
+                                         int(self._env_lengths[i]),
+                                         self._returns[base:base + k].copy()))
         self._acted = True
         self._result = (obs, reward, terminated, truncated, first)
 

@@ -76,8 +76,8 @@ class EnvSourceKind:
       env_processes: envs step in worker processes, which need the cores a polling
         inferencer thread would hold (`Config.action_poll_s` defaults to 0).
       evaluate_as: the in-process kind that evaluates a policy trained on this one with
-        the same spaces (None: evaluation does not support it); it must be single-agent,
-        and make one source of one group for a request of one group.
+        the same spaces (None: evaluation does not support it); it must make one source
+        of one group for a request of one group, whose recv returns all its envs.
       help: one line for the launcher's flag help.
     """
 
@@ -245,6 +245,6 @@ register(EnvSourceKind(
     "pettingzoo", _pettingzoo_sources,
     lambda r: pettingzoo_source.parallel_env_spec(r.env, r.env_kwargs, r.agent_ids),
     pettingzoo_source.check_env,
-    multi_agent=True,
+    multi_agent=True, evaluate_as="pettingzoo",
     help="PettingZoo Parallel envs (a module such as mpe2.simple_spread_v3): K agents "
          "per env as K rows"))

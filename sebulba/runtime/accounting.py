@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from sebulba.runtime.bottleneck import diagnose
 from sebulba.types import AgentState
 
 # Per-episode and per-trajectory records kept, the most recent ones: a run of days would
@@ -175,6 +176,9 @@ class RunResult:
       stopped_early: the run ended on its `stop` event before consuming its steps.
       inferencer_threads: this process's inferencer threads (their stages' seconds are
         summed over them).
+      evaluations: the evaluations during training (`Config.eval_every_updates`),
+        oldest first (`sebulba.runtime.evaluator.Evaluation`).
+      evaluator_env_steps: env steps the evaluator took (not part of `env_steps`).
     """
 
     env_steps: int
@@ -202,6 +206,8 @@ class RunResult:
     stopped_early: bool = False
     team_episodes_total: int = 0
     inferencer_threads: int = 1
+    evaluations: list[Any] = dataclasses.field(default_factory=list)
+    evaluator_env_steps: int = 0
 
     @property
     def team_steps(self) -> int:
@@ -256,6 +262,8 @@ class RunResult:
                if self.optimizer_steps_cut else {}),
             "stopped_early": self.stopped_early,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
+            "bottleneck": diagnose(self.stage_seconds, self.wall_seconds,
+                                   self.inferencer_threads).as_dict(),
             "metrics": self.metrics,
             **({"agents_per_env": self.agents_per_env,
                 "team_steps": self.team_steps,
@@ -280,6 +288,7 @@ class RunResult:
             f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.4g}",
             f"policy lag mean {d['policy_lag_mean']:.2f}, max {d['policy_lag_max']}",
             f"time by stage (summed over threads): {stages}",
+            diagnose(self.stage_seconds, self.wall_seconds, self.inferencer_threads).line(),
             *([f"{d['agents_per_env']} agents per env: {d['team_steps']:,} env steps, "
                f"{d['padding_steps']:,} padding agent steps, {d['team_episodes']} env "
                f"episodes, mean team return (last 10%) {d['mean_team_return_last_10pct']:.4g}"]

@@ -22,6 +22,7 @@ from sebulba.envs.base import EnvSource, close_all
 from sebulba.runtime import memory, sharding, transfers
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
+from sebulba.runtime.evaluator import Evaluation, Evaluator
 from sebulba.runtime.inferencer import ActingFunctions, EnvGroupRunner
 from sebulba.runtime.learner import Learner
 from sebulba.runtime.watchdog import EnvStall, ProgressWatchdog
@@ -41,6 +42,8 @@ class UpdateInfo:
         (first local learner replica, on device).
       accounting: live counters (env steps, consumed, episodes, stage seconds) of this
         process; read them, don't change them.
+      evaluations: the evaluations during training (`Config.eval_every_updates`) that
+        finished since the last call (`sebulba.runtime.evaluator.Evaluation`).
 
     `learner_state()` and `actor_state()` copy what a checkpoint needs.
     """
@@ -50,6 +53,7 @@ class UpdateInfo:
     nets: Nets
     accounting: Accounting
     _learner: _LearnerSnapshot
+    evaluations: tuple[Evaluation, ...] = ()
 
     def learner_state(self) -> tuple[Nets, PyTree, PyTree]:
         """(nets, opt, local experience [num_local_learners, ...]) copied off the
@@ -108,6 +112,8 @@ class _Run:
     runners: list[EnvGroupRunner] = dataclasses.field(default_factory=list)
     threads: list[threading.Thread] = dataclasses.field(default_factory=list)
     popped: list[QueueItem] = dataclasses.field(default_factory=list)  # not learnt from yet
+    evaluator: Evaluator | None = None
+    evaluations: list[Evaluation] = dataclasses.field(default_factory=list)
     stopped_early: bool = False
     start: float = dataclasses.field(default_factory=time.perf_counter)
     wall: float = 0.0
@@ -232,6 +238,11 @@ class Sebulba:
         run = self._start_learner(state, local_experience, learner_updates,
                                   progress_timeout_s)
         try:
+            if self.config.eval_every_updates and self.process_index == 0:
+                run.evaluator = Evaluator(self.agent, self.config,
+                                          self.config.resolved_eval_device(), run.errors,
+                                          run.halt)
+                run.evaluator.start()
             self._start_inferencers(run, state.step_state, learner_updates,
                                     progress_timeout_s)
             self._update_loop(run, total_env_steps, learn, on_update, stop)
@@ -355,15 +366,29 @@ class Sebulba:
                 accounting.add_consumed(item.num_env_steps, lag)
                 run.cut.consumed(item)
             run.popped = []
+            evaluations = self._evaluate(run)
             if on_update is not None:
                 on_update(UpdateInfo(
                     learner.updates, learner.metrics, learner.published, accounting,
-                    _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut)))
+                    _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut),
+                    evaluations))
             # One process needs no vote: an event set in on_update counts at once.
             if run.stopped_early or (self.num_processes == 1 and stop is not None
                                      and stop.is_set()):
                 run.stopped_early = True
                 return
+
+    def _evaluate(self, run: _Run) -> tuple[Evaluation, ...]:
+        """Offers the networks just published to the evaluator (it never waits); the
+        evaluations finished since the last update."""
+        if run.evaluator is None:
+            return ()
+        consumed = run.accounting.consumed * self.num_processes
+        run.evaluator.offer(self.learner.updates, consumed, self.learner.published)
+        evaluations = tuple(run.evaluator.take())
+        # The result keeps their figures, not their videos' frames (hundreds of MB each).
+        run.evaluations.extend(dataclasses.replace(e, video_frames=None) for e in evaluations)
+        return evaluations
 
     def _update(self, run: _Run, learn: bool, stop: threading.Event | None) -> bool:
         """One learner update on the popped items; whether the processes voted to stop."""
@@ -390,6 +415,11 @@ class Sebulba:
         run.halt.set()
         still_alive = self._shut_down(run.threads, run.runners,
                                       stalled=run.stall is not None and run.stall.fired)
+        if run.evaluator is not None:
+            if not run.evaluator.close(self.config.shutdown_timeout_s):
+                still_alive.append(run.evaluator.thread.name)
+            run.evaluations.extend(dataclasses.replace(e, video_frames=None)
+                                   for e in run.evaluator.take())
         run.wall = time.perf_counter() - run.start
         return still_alive
 
@@ -436,6 +466,8 @@ class Sebulba:
             learner_experience=learner.experience,
             stopped_early=run.stopped_early,
             inferencer_threads=len(run.runners),
+            evaluations=run.evaluations,
+            evaluator_env_steps=run.evaluator.env_steps if run.evaluator else 0,
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:

@@ -1,0 +1,200 @@
+"""Evaluation during training: a thread with its own envs, off the hot path.
+
+    Learner --offer(update, env steps, acting nets)--> deque(maxlen=1) --> evaluator thread
+    evaluator thread --Evaluation--> Accounting.evaluations --> on_update, RunResult
+
+The learner offers the networks it just published every `eval_every_updates` updates;
+an offer never waits: it is passed over while an evaluation is under way, and declined
+while the evaluations' env steps would pass `eval_max_share` of the training's, so
+evaluation costs its own work and never a wait. The thread runs `eval_episodes` complete
+episodes (`sebulba.evaluation.EpisodeRunner`) per evaluation, on envs of its own made
+like the run's, and every `eval_video_every`-th evaluation records one more episode to
+`eval_video_dir`. An error in it stops the run like any thread's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+
+from sebulba.agent import Agent
+from sebulba.config import Config
+from sebulba.envs import registry
+from sebulba.envs.base import close_all
+from sebulba.evaluation import EpisodeRunner, EvaluationResult, VideoRecorder, save_video
+from sebulba.runtime.channels import POLL_SECONDS, ErrorBox
+from sebulba.types import Nets
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """One evaluation of the networks published after `learner_update`.
+
+    Attributes:
+      learner_update: the learner update whose networks were evaluated.
+      env_steps: the run's env steps consumed (all processes) when they were published:
+        the step training curves are drawn against.
+      result: the episodes' returns and lengths.
+      seconds: how long the evaluation took.
+      video: the path of the episode recorded after it, if any.
+      video_frames: that episode's frames [T, H, W, 3] uint8 (for trackers), if any.
+      video_fps: their frame rate.
+    """
+
+    learner_update: int
+    env_steps: int
+    result: EvaluationResult
+    seconds: float
+    video: str | None = None
+    video_frames: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    video_fps: int = 30
+
+    def scalars(self) -> dict[str, float]:
+        """The figures every metric sink gets, under `eval/`."""
+        d = self.result.as_dict()
+        out = {"eval/return": d["mean_return"], "eval/return_std": d["std_return"],
+               "eval/episodes": d["episodes"], "eval/length": d["mean_length"],
+               "eval/learner_update": self.learner_update, "eval/seconds": self.seconds}
+        if self.result.agent_returns:  # multi-agent: returns are the team's
+            out["eval/team_return"] = out["eval/return"]
+            out["eval/return"] = d["mean_agent_return"]
+            out.update({f"eval/return/{agent}": r
+                        for agent, r in d["mean_return_by_agent"].items()})
+        return out
+
+
+class Evaluator:
+    """Evaluates networks the learner offers, on a thread of its own (see the module).
+
+    `start()` starts the thread; `close()` ends it (an evaluation under way is
+    abandoned) and closes its envs. `take()` returns the evaluations finished since the
+    last call.
+    """
+
+    def __init__(self, agent: Agent, config: Config, device: jax.Device, errors: ErrorBox,
+                 halt: threading.Event):
+        self.config, self.device = config, device
+        self._errors, self._halt = errors, halt
+        kind = config.vectorization
+        vectorization = registry.get(kind).evaluate_as
+        if vectorization is None:  # Config refuses it; a direct caller may not have
+            raise ValueError(f"vectorization {kind!r} does not support evaluation")
+        # Its envs are made like the run's, seeded apart from every training env's.
+        request = dataclasses.replace(config.source_request(1, config.seed + EVAL_SEED),
+                                      group_size=config.eval_episodes)
+        self._sources = registry.get(vectorization).make_sources(request)
+        self._video = None
+        try:
+            self.runner = EpisodeRunner(agent, _one(self._sources), greedy=config.eval_greedy,
+                                        name="the evaluator")
+            if config.eval_video_dir is not None:
+                self._video = VideoRecorder(agent, vectorization, request,
+                                            greedy=config.eval_greedy)
+        except BaseException:
+            self._close_envs()
+            raise
+        self._offered: collections.deque[tuple[int, int, Nets]] = collections.deque()
+        self._done: collections.deque[Evaluation] = collections.deque()
+        self._evaluations = 0
+        self._last_steps = 0  # the env steps of the last evaluation (its video included)
+        self.declined = 0  # offers declined to keep within eval_max_share
+        self._busy = False  # networks taken and not evaluated yet
+        self.thread = threading.Thread(target=self._main, name="sebulba-evaluator", daemon=True)
+
+    @property
+    def env_steps(self) -> int:
+        """Env steps the evaluator took (agent steps for multi-agent envs)."""
+        return self.runner.env_steps + (self._video.runner.env_steps if self._video else 0)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def offer(self, learner_update: int, env_steps: int, acting_nets: Nets) -> bool:
+        """Hands networks to evaluate (copied to the evaluator's device, asynchronously);
+        never waits. Taken only every `eval_every_updates` updates, while no evaluation
+        is under way, and when the evaluations' env steps would stay within
+        `eval_max_share` of the training's `env_steps` (the next one estimated as the
+        last one's); whether taken."""
+        cfg = self.config
+        if learner_update % cfg.eval_every_updates or self._busy:
+            return False
+        if self.env_steps + self._last_steps > cfg.eval_max_share * env_steps:
+            self.declined += 1
+            return False
+        self._busy = True  # until the thread has evaluated them
+        self._offered.append((learner_update, env_steps,
+                              jax.device_put(acting_nets, self.device)))
+        return True
+
+    def take(self) -> list[Evaluation]:
+        """The evaluations finished since the last call, oldest first."""
+        taken = []
+        while self._done:
+            taken.append(self._done.popleft())
+        return taken
+
+    def close(self, timeout_s: float) -> bool:
+        """Ends the thread (it polls the run's halt event) and closes the envs; whether
+        the thread ended within `timeout_s`."""
+        self._halt.set()
+        if self.thread.ident is not None:
+            self.thread.join(timeout_s)
+        ended = not self.thread.is_alive()
+        if ended:  # a thread stuck in an env step keeps its envs (closing could block)
+            self._close_envs()
+        return ended
+
+    def _main(self) -> None:
+        try:
+            while not self._halt.is_set():
+                if not self._offered:
+                    time.sleep(POLL_SECONDS)
+                    continue
+                evaluation = self._evaluate(*self._offered.popleft())
+                if evaluation is not None:
+                    self._done.append(evaluation)
+                self._busy = False
+        except BaseException as e:  # noqa: BLE001 - stops the run, re-raised in the caller
+            self._errors.report(e)
+
+    def _evaluate(self, learner_update: int, env_steps: int, nets: Nets) -> Evaluation | None:
+        cfg, start_steps, t0 = self.config, self.env_steps, time.perf_counter()
+        seed = cfg.seed + EVAL_SEED + self._evaluations
+        result = self.runner.run(nets, cfg.eval_episodes, seed, stop=self._halt)
+        if result is None:
+            return None
+        seconds = time.perf_counter() - t0
+        video = frames = None
+        if self._video is not None and self._evaluations % cfg.eval_video_every == 0:
+            recorded = self._video.record(nets, seed, stop=self._halt)
+            if recorded is None:
+                return None
+            frames = recorded[0]
+            video = save_video(frames, cfg.eval_video_dir, f"update_{learner_update:08d}",
+                               self._video.fps)
+        self._evaluations += 1
+        self._last_steps = self.env_steps - start_steps
+        return Evaluation(learner_update, env_steps, result, seconds, video, frames,
+                          self._video.fps if self._video is not None else 30)
+
+    def _close_envs(self) -> None:
+        close_all(self._sources)
+        if self._video is not None:
+            self._video.close()
+
+
+# Evaluation envs are seeded from the run's seed plus this: apart from the training
+# envs' seeds (`Sebulba._env_seed`) for any run of fewer rows.
+EVAL_SEED = 1_000_003
+
+
+def _one(sources: list) -> object:
+    if len(sources) != 1:
+        close_all(sources)
+        raise ValueError(f"the evaluator drives one env source, its kind made {len(sources)}")
+    return sources[0]

@@ -1,0 +1,222 @@
+"""Evaluation during training: an evaluator thread with its own envs, off the hot path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import sebulba
+from agents.ppo import PPO, PPOConfig
+from agents.spg import SPG, SPGConfig
+from sebulba.metrics import JsonLinesWriter, MultiWriter, Reporter, TensorBoardWriter
+from sebulba.runtime.evaluator import Evaluation
+from tests.conftest import sebulba_threads
+
+ROLE_CALL = "sebulba.envs.suite.role_call"
+
+
+def run_with_evaluation(steps: int, agent_cls=SPG, agent_config=None, on_update=None,
+                        **config) -> sebulba.RunResult:
+    config = sebulba.Config(**{"envs_per_group": 8, "steps_per_cycle": 16, **config})
+    agent = agent_cls(config.env_spec(), agent_config or SPGConfig())
+    return sebulba.Sebulba(agent, config).run(steps, on_update=on_update)
+
+
+@pytest.mark.timeout(120)
+def test_evaluations_are_complete_episodes_of_published_networks_at_their_update(
+        no_leftovers):
+    seen: list[Evaluation] = []
+    updates: list[int] = []
+
+    def on_update(info):
+        seen.extend(info.evaluations)
+        updates.append(info.version)
+
+    result = run_with_evaluation(12_000, on_update=on_update, eval_every_updates=3,
+                                 eval_episodes=5, eval_max_share=1.0)
+    evaluations = result.evaluations
+    # how many finish depends on the machine (an offer made while one runs replaces the
+    # one waiting): at least the first
+    assert evaluations
+    # on_update saw each evaluation once, as it finished; the result keeps them all
+    assert [e.learner_update for e in seen] == [e.learner_update for e in evaluations]
+    for e in evaluations:
+        assert e.learner_update % 3 == 0 and e.learner_update in updates
+        # the step is the run's consumed env steps when those networks were published
+        assert e.env_steps == e.learner_update * 8 * 16
+        # CartPole's return is its length: each of the 5 is a complete episode
+        assert e.result.returns == [float(n) for n in e.result.lengths]
+        assert len(e.result.returns) == 5 and all(1 <= n <= 500 for n in e.result.lengths)
+        assert e.seconds > 0
+    steps = [e.env_steps for e in evaluations]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    # the evaluator's env steps are its own, counted apart from the training's
+    assert result.evaluator_env_steps >= sum(sum(e.result.lengths) for e in evaluations)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    scalars = evaluations[-1].scalars()
+    assert scalars["eval/return"] == pytest.approx(np.mean(evaluations[-1].result.returns))
+    assert scalars["eval/learner_update"] == evaluations[-1].learner_update
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_costs_at_most_its_share_of_the_env_steps(no_leftovers):
+    result = run_with_evaluation(20_000, eval_every_updates=1, eval_episodes=4,
+                                 eval_max_share=0.05)
+    assert result.evaluations  # the first is always made
+    last = sum(result.evaluations[-1].result.lengths) + 4  # its resets' rows
+    # every evaluation after the first is made only within the share (the next one
+    # estimated as the last one's): the share holds up to one evaluation's steps
+    assert result.evaluator_env_steps <= 0.05 * result.consumed + 2 * last
+
+
+class EvaluatorThreadEnv(gym.Env):
+    """CartPole that is slow, or fails, only where the evaluator steps it."""
+
+    observation_space = gym.make("CartPole-v1").observation_space
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, sleep_s: float = 0.0, fail: bool = False):
+        self.env, self.sleep_s, self.fail = gym.make("CartPole-v1"), sleep_s, fail
+
+    def reset(self, *, seed=None, options=None):
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        if threading.current_thread().name == "sebulba-evaluator":
+            if self.fail:
+                raise RuntimeError("the evaluation env broke")
+            time.sleep(self.sleep_s)
+        return self.env.step(action)
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_evaluation_never_holds_up_training_and_is_abandoned_at_the_end(
+        no_leftovers):
+    # Each evaluation step takes 0.2 s, so an evaluation takes minutes: training must
+    # go on through it, and the run must end without waiting for it.
+    updates_during: list[int] = []
+    t0 = time.perf_counter()
+    result = run_with_evaluation(
+        6_000, on_update=lambda info: updates_during.append(info.version),
+        env=lambda: EvaluatorThreadEnv(sleep_s=0.2), eval_every_updates=1,
+        eval_max_share=1.0)
+    assert result.learner_updates == len(updates_during) >= 40
+    assert result.evaluations == []  # none finished: the first was abandoned
+    assert result.evaluator_env_steps > 0  # but it was under way
+    # ended promptly: not after the evaluation's minutes (the thread polls the halt)
+    assert time.perf_counter() - t0 < 60
+    assert "sebulba-evaluator" not in sebulba_threads()
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_the_evaluator_stops_the_run_with_its_traceback(no_leftovers):
+    with pytest.raises(RuntimeError, match="the evaluation env broke") as raised:
+        run_with_evaluation(10_000_000, env=lambda: EvaluatorThreadEnv(fail=True),
+                            eval_every_updates=1)
+    frames = [frame.name for frame in raised.traceback]
+    assert "step" in frames and "_evaluate" in frames  # where it happened
+
+
+@pytest.mark.timeout(120)
+def test_multi_agent_envs_are_evaluated_per_agent_and_as_a_team(no_leftovers):
+    # A learner with slack (on_update sleeps): on two cores the evaluator's first episodes
+    # (and its compilation) would otherwise race a 6-second run.
+    result = run_with_evaluation(6_000, PPO, PPOConfig(), env=ROLE_CALL,
+                                 vectorization="pettingzoo", agent_ids=True,
+                                 on_update=lambda info: time.sleep(0.05),
+                                 eval_every_updates=2, eval_episodes=3, eval_max_share=1.0)
+    assert result.evaluations
+    e = result.evaluations[-1]
+    agents = ["agent_0", "agent_1", "agent_2"]
+    assert sorted(e.result.agent_returns) == agents
+    # an env episode's team return is the sum of its agents' returns
+    team = np.sum([e.result.agent_returns[a] for a in agents], axis=0)
+    np.testing.assert_allclose(e.result.returns, team, rtol=1e-5)
+    assert e.result.lengths == [16, 16, 16]  # RoleCall's episodes: env episodes
+    scalars = e.scalars()
+    assert scalars["eval/team_return"] == pytest.approx(np.mean(e.result.returns))
+    assert scalars["eval/return"] == pytest.approx(np.mean(team) / 3)
+    assert {f"eval/return/{a}" for a in agents} <= set(scalars)
+
+
+@pytest.mark.timeout(180)
+def test_videos_are_recorded_every_m_evaluations_to_files_and_tensorboard(tmp_path,
+                                                                          no_leftovers):
+    videos = str(tmp_path / "videos")
+    writer = MultiWriter([TensorBoardWriter(str(tmp_path)),
+                          JsonLinesWriter(str(tmp_path / "metrics.jsonl"))])
+    reporter = Reporter(8_000, writer, every_seconds=0.0, progress=False)
+    frames_seen = []
+
+    def on_update(info):
+        frames_seen.extend(e.video_frames for e in info.evaluations
+                           if e.video_frames is not None)
+        reporter(info)
+        time.sleep(0.05)  # slack for the evaluator on two cores (see the multi-agent test)
+
+    try:
+        result = run_with_evaluation(8_000, on_update=on_update, eval_every_updates=2,
+                                     eval_episodes=2, eval_max_share=1.0,
+                                     eval_video_dir=videos, eval_video_every=2)
+    finally:
+        reporter.close()
+    with_video = [e for e in result.evaluations if e.video]
+    assert with_video
+    # evaluations 0, 2, 4, ... record one more episode each
+    assert [e.video for e in result.evaluations[::2]] == [e.video for e in with_video]
+    assert all(e.video_frames is None for e in result.evaluations)  # not kept in the result
+    assert sorted(os.listdir(videos)) == sorted(os.path.basename(e.video) for e in with_video)
+    assert all(os.path.getsize(e.video) > 1000 for e in with_video)
+    assert frames_seen and frames_seen[0].ndim == 4 and frames_seen[0].shape[-1] == 3
+    # the frames show the episode: the cart and pole move between first and last
+    assert np.abs(frames_seen[0][0].astype(int) - frames_seen[0][-1].astype(int)).sum() > 0
+    events = [f for f in os.listdir(tmp_path) if f.startswith("events.out")]
+    assert events and os.path.getsize(tmp_path / events[0]) > 10_000  # the GIFs
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    eval_rows = [r for r in rows if "eval/return" in r]
+    assert [r["step"] for r in eval_rows] == [e.env_steps for e in result.evaluations]
+
+
+class NoRender(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, True, False, {}
+
+
+@pytest.mark.timeout(60)
+def test_videos_of_an_env_that_cannot_render_are_refused_before_training(tmp_path,
+                                                                         no_leftovers):
+    with pytest.raises(ValueError, match="cannot record videos: it renders no rgb_array"):
+        run_with_evaluation(1_000, env=NoRender, eval_every_updates=1,
+                            eval_video_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("eval_every_updates", -1, "eval_every_updates must be an int >= 0"),
+    ("eval_episodes", 0, "eval_episodes must be an int >= 1"),
+    ("eval_max_share", 0.0, r"eval_max_share must be a share of the env steps in \(0, 1\]"),
+    ("eval_device", 99, "eval_device has device index 99"),
+])
+def test_bad_evaluation_settings_are_refused_at_construction(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        sebulba.Config(eval_every_updates=1, **{field: value})
+
+
+def test_evaluation_is_off_unless_asked_for():
+    config = sebulba.Config()
+    assert config.eval_every_updates == 0
+    assert dataclasses.replace(config, eval_every_updates=5).resolved_eval_device() == (
+        config.resolved_inference_devices()[0])
