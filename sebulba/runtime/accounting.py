@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sebulba.runtime.bottleneck import diagnose
+from sebulba.runtime.bottleneck import Bottleneck, diagnose
 from sebulba.types import AgentState
 
 # Per-episode and per-trajectory records kept, the most recent ones: a run of days would
@@ -262,8 +262,7 @@ class RunResult:
                if self.optimizer_steps_cut else {}),
             "stopped_early": self.stopped_early,
             "stage_seconds": {k: round(v, 3) for k, v in sorted(self.stage_seconds.items())},
-            "bottleneck": diagnose(self.stage_seconds, self.wall_seconds,
-                                   self.inferencer_threads).as_dict(),
+            "bottleneck": self.bottleneck().as_dict(),
             "metrics": self.metrics,
             **({"agents_per_env": self.agents_per_env,
                 "team_steps": self.team_steps,
@@ -272,7 +271,16 @@ class RunResult:
                 "team_episodes": max(self.team_episodes_total, len(self.team_episodes)),
                 "mean_team_return_last_10pct": self.mean_team_return(0.9, 1.0)}
                if self.agents_per_env > 1 else {}),
+            **({"evaluations": len(self.evaluations),
+                "evaluator_env_steps": self.evaluator_env_steps,
+                "last_evaluation": self.evaluations[-1].scalars() if self.evaluations
+                else None}
+               if self.evaluations or self.evaluator_env_steps else {}),
         }
+
+    def bottleneck(self) -> Bottleneck:
+        """What bounded the run, from its stage times (`sebulba.runtime.bottleneck`)."""
+        return diagnose(self.stage_seconds, self.wall_seconds, self.inferencer_threads)
 
     def summary(self) -> str:
         d = self.as_dict()
@@ -288,13 +296,26 @@ class RunResult:
             f"{d['episodes']} episodes, mean return (last 10%) {d['mean_return_last_10pct']:.4g}",
             f"policy lag mean {d['policy_lag_mean']:.2f}, max {d['policy_lag_max']}",
             f"time by stage (summed over threads): {stages}",
-            diagnose(self.stage_seconds, self.wall_seconds, self.inferencer_threads).line(),
+            self.bottleneck().line(),
+            *([self._evaluations_line()] if "evaluations" in d else []),
             *([f"{d['agents_per_env']} agents per env: {d['team_steps']:,} env steps, "
                f"{d['padding_steps']:,} padding agent steps, {d['team_episodes']} env "
                f"episodes, mean team return (last 10%) {d['mean_team_return_last_10pct']:.4g}"]
               if "agents_per_env" in d else []),
             f"last metrics: {json.dumps(d['metrics'])}",
         ])
+
+
+    def _evaluations_line(self) -> str:
+        share = self.evaluator_env_steps / max(self.env_steps, 1)
+        line = (f"{len(self.evaluations)} evaluations during training, "
+                f"{self.evaluator_env_steps:,} env steps ({share:.1%} of training's)")
+        if self.evaluations:
+            last = self.evaluations[-1]
+            line += (f"; the last, of update {last.learner_update}: mean return "
+                     f"{np.mean(last.result.returns):.4g} over {len(last.result.returns)} "
+                     "episodes")
+        return line
 
 
 def _mean_return(episodes: list[tuple[int, float, int]], env_steps: int, start_frac: float,
