@@ -96,9 +96,10 @@ class Agent(abc.ABC):
     all envs. Use typed keys (`jax.random.key`) so that a key is one 0-d leaf.
     """
 
-    # True for an agent that joins each env's consecutive trajectories (R2D2's sequences
-    # span cycles): the run then refuses `Config.drop_when_full`, which would silently
-    # join the trajectories on either side of a dropped one.
+    #: bool, a class attribute: True for an agent that joins each env's consecutive
+    #: trajectories (R2D2's sequences span cycles); the run then refuses
+    #: `Config.drop_when_full`, which would silently join the trajectories on either side
+    #: of a dropped one.
     needs_consecutive_trajectories: bool = False
 
     def __init__(self, env_spec: EnvSpec):
@@ -217,13 +218,15 @@ class Agent(abc.ABC):
         the number of trajectories it learns from; see `optimizer_steps_per_update`."""
         return 1
 
-    def optimizer_steps_per_update(self, trajectories_per_update: int) -> int:
+    def optimizer_steps_per_update(self, layout: Layout) -> int:
         """Optimizer steps of one learner update, which learns from
-        `trajectories_per_update` (K) trajectories joined; the learner asks once, when it
-        is made. Default: `num_off_policy_optims_per_cycle()` whatever K (an on-policy
-        agent's epochs x minibatches over the joined batch). An agent that counts its
-        steps per trajectory (R2D2's `updates_per_trajectory`, a replay ratio) returns
-        that count times K, so that joining trajectories does not change the ratio."""
+        `layout.trajectories_per_update` (K) trajectories joined; the learner asks once,
+        when it is made. Default: `num_off_policy_optims_per_cycle()` whatever the layout
+        (an on-policy agent's epochs x minibatches over the joined batch). A replay agent
+        derives it from the layout so that its replay ratio does not depend on K: R2D2
+        returns its steps per trajectory times K, SAC its gradient steps per env step
+        times the env steps of an update of the run (K x envs_per_group x
+        steps_per_cycle x num_processes)."""
         return self.num_off_policy_optims_per_cycle()
 
     def partition_for_grad(self, nets: Nets) -> tuple[Nets, Nets | None]:

@@ -221,15 +221,20 @@ class RunResult:
 
     @property
     def steps_per_second(self) -> float:
+        """Env steps this process's envs took per second of `wall_seconds` (agent steps
+        for multi-agent envs; 0.0 for a run of no wall time)."""
         return self.env_steps / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
     def consumed_steps_per_second(self) -> float:
+        """Env steps this process's learner consumed per second of `wall_seconds`."""
         return self.consumed / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     def mean_return(self, start_frac: float = 0.0, end_frac: float = 1.0) -> float:
-        """Mean return of episodes that ended within [start, end) of the env steps (of
-        those in the window: the last `EPISODE_WINDOW` episodes)."""
+        """Mean return (float; NaN if none) of the episodes that ended while the run's
+        env steps were within [start_frac, end_frac) of `env_steps` (fractions in
+        [0, 1]: `mean_return(0.9)` is the last 10%), of those in the window (the last
+        `EPISODE_WINDOW` episodes)."""
         return _mean_return(self.episodes, self.env_steps, start_frac, end_frac)
 
     def mean_team_return(self, start_frac: float = 0.0, end_frac: float = 1.0) -> float:

@@ -36,12 +36,15 @@ class UpdateInfo:
     Attributes:
       version: learner updates so far (each on `trajectories_per_update` trajectories;
         the unit of policy lag).
-      metrics: the learner's metrics of the previous update (floats; fetched one update
-        late so the learner never waits for the device; empty at first).
+      metrics: the learner's metrics of the previous update (name -> float; fetched one
+        update late so the learner never waits for the device; empty at first): the
+        agent's, averaged over the learner devices, and `learning`, 1.0 where the update
+        took its optimizer steps and 0.0 where `Agent.ready_to_learn` held it back
+        (a warm-up).
       nets: what was just published to the actors, `Agent.acting_nets` of the networks
         (first local learner replica, on device).
-      accounting: live counters (env steps, consumed, episodes, stage seconds) of this
-        process; read them, don't change them.
+      accounting: the run's live `runtime.accounting.Accounting` of this process (env
+        steps, consumed, episodes, stage seconds, ...): read it, don't change it.
       evaluations: the evaluations during training (`Config.eval_every_updates`) that
         finished since the last call (`sebulba.runtime.evaluator.Evaluation`).
 
@@ -157,8 +160,8 @@ class Sebulba:
         )
         self._memory_checked = False
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
-        self.learner = Learner(agent, self.learner_devices, check_finite=config.check_finite,
-                               trajectories_per_update=config.trajectories_per_update)
+        self.learner = Learner(agent, self.learner_devices, self.layout,
+                               check_finite=config.check_finite)
 
     def initial_state(self) -> AgentState:
         """The agent's initial state; nets, optimizer and experience are the same in every
