@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import os
 import struct
 
+import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
@@ -145,3 +147,22 @@ def test_team_episodes_are_counted_over_the_run_not_the_window(monkeypatch):
         team_episodes_total=acc.team_episodes_total)
     assert result.as_dict()["team_episodes"] == 25
     assert "25 env episodes" in result.summary()
+
+
+@pytest.mark.timeout(120)
+def test_wandb_offline_takes_scalars_against_env_steps_and_videos(tmp_path):
+    from sebulba.metrics import WandbWriter
+
+    writer = WandbWriter("sebulba-test", str(tmp_path), {"agent": "ppo"}, mode="offline")
+    writer.write(100, {"episode/return": 12.5})
+    writer.write(50, {"eval/return": 20.0})  # an evaluation, at its earlier step
+    frames = np.random.default_rng(0).integers(0, 255, (12, 32, 48, 3), np.uint8)
+    writer.write_video(50, "eval/video", frames, 10)
+    writer.close()
+    (run,) = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    videos = os.listdir(tmp_path / "wandb" / run / "files" / "media" / "videos" / "eval")
+    assert len(videos) == 1 and videos[0].endswith(".mp4")
+    (run_file,) = [f for f in os.listdir(tmp_path / "wandb" / run) if f.endswith(".wandb")]
+    recorded = (tmp_path / "wandb" / run / run_file).read_bytes()
+    assert b"episode/return" in recorded and b"eval/return" in recorded
+    assert b"env_steps" in recorded and b"ppo" in recorded
