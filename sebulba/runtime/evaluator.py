@@ -84,9 +84,10 @@ class Evaluator:
         vectorization = registry.get(kind).evaluate_as
         if vectorization is None:  # Config refuses it; a direct caller may not have
             raise ValueError(f"vectorization {kind!r} does not support evaluation")
-        # Its envs are made like the run's, seeded apart from every training env's.
+        # Its envs are made like the run's, seeded apart from every training env's, and
+        # never desynchronized: a first episode cut short would be a biased sample.
         request = dataclasses.replace(config.source_request(1, config.seed + EVAL_SEED),
-                                      group_size=config.eval_episodes)
+                                      group_size=config.eval_episodes, desync_episodes=False)
         self._sources = registry.get(vectorization).make_sources(request)
         self._video = None
         try:
