@@ -201,9 +201,9 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     from sebulba.envs import example_env_step
     from sebulba.runtime.inferencer import (
         ActingFunctions,
-        _copies_early,
-        _start_host_copies,
+        copies_early_to_host,
         fetch_polling,
+        start_host_copies,
     )
 
     device = jax.local_devices()[0]
@@ -221,14 +221,14 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     obs = (rng.integers(0, 256, obs.shape).astype(obs.dtype) if obs.dtype == np.uint8
            else rng.standard_normal(obs.shape).astype(obs.dtype))
     env_step = template._replace(obs=obs)
-    copies_early = _copies_early(device)
+    copies_early = copies_early_to_host(device)
 
     def call(i: int) -> float:
         nonlocal step_state
         t0 = time.perf_counter()
         output, step_state = acting.act(leaves, step_state, ids[i % num_groups], env_step)
         if copies_early:
-            _start_host_copies(output)
+            start_host_copies(output)
         fetch_polling(output.action, DEFAULT_ACTION_POLL_S)
         return time.perf_counter() - t0
 

@@ -158,8 +158,8 @@ def check_rows_in_order(pushed: dict[int, list]) -> None:
 @pytest.mark.parametrize("copies_early", [False, True])
 def test_mixed_batches_fill_each_envs_own_row_in_order(copies_early, monkeypatch):
     copied = []
-    start = inferencer._start_host_copies
-    monkeypatch.setattr(inferencer, "_start_host_copies",
+    start = inferencer.start_host_copies
+    monkeypatch.setattr(inferencer, "start_host_copies",
                         lambda output: (copied.append(1), start(output)))
     pool = ScriptedPool(seed=0)
     pushed = run_until_pushed(pool, cycles=8, copies_early=copies_early)

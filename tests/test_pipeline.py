@@ -102,14 +102,14 @@ def test_each_shard_gets_its_envs_in_order(async_factor, inference, learner, no_
 @pytest.mark.timeout(120)
 def test_early_host_copies_deliver_the_same_stream(monkeypatch, no_leftovers):
     # On an accelerator the acting call's outputs start their copies to the host at
-    # dispatch (`inferencer._copies_early`); forced here on the CPU.
+    # dispatch (`inferencer.copies_early_to_host`); forced here on the CPU.
     copied = []
-    start = sebulba.runtime.inferencer._start_host_copies
-    monkeypatch.setattr(sebulba.runtime.inferencer, "_start_host_copies",
+    start = sebulba.runtime.inferencer.start_host_copies
+    monkeypatch.setattr(sebulba.runtime.inferencer, "start_host_copies",
                         lambda output: (copied.append(1), start(output)))
     cfg, result = run_counting(2, [0], [0, 1], cycles_per_group=3)
     assert not copied  # on the CPU the outputs are host memory already
-    monkeypatch.setattr(sebulba.runtime.inferencer, "_copies_early", lambda device: True)
+    monkeypatch.setattr(sebulba.runtime.inferencer, "copies_early_to_host", lambda device: True)
     cfg, result = run_counting(2, [0], [0, 1], cycles_per_group=3)
     assert len(copied) * cfg.envs_per_group >= result.env_steps  # once per acting call
     assert result.env_steps == result.consumed + result.dropped + result.in_flight

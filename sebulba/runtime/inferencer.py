@@ -301,14 +301,14 @@ def fetch_polling(x: jax.Array, poll_s: float) -> np.ndarray:
     return transfers.to_host(x, "acting: actions to host")
 
 
-def _copies_early(device: jax.Device) -> bool:
+def copies_early_to_host(device: jax.Device) -> bool:
     """Whether an acting call's outputs on `device` start their copies to the host as soon
     as the call is dispatched: on an accelerator each fetch is a round trip, and the
     action and the extras then arrive in one (on the CPU they are host memory already)."""
     return device.platform != "cpu"
 
 
-def _start_host_copies(output: ActorOutput) -> None:
+def start_host_copies(output: ActorOutput) -> None:
     for x in jax.tree.leaves(output):
         x.copy_to_host_async()
 
@@ -373,7 +373,7 @@ class EnvGroupRunner:
         self.action_poll_s = action_poll_s
         self.transfer_guard = transfer_guard
         self._nets = (None, ())  # the staging area's latest networks, and their leaves
-        self.copies_early = _copies_early(device)
+        self.copies_early = copies_early_to_host(device)
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
         self.finished = False  # the thread left its loop without an error
 
@@ -452,7 +452,7 @@ class EnvGroupRunner:
                                                      transfers.to_device(env_step, device, OBS))
             self.state = self.state._replace(step_state=step_state)
             if self.copies_early:
-                _start_host_copies(output)
+                start_host_copies(output)
             # While the device computes:
             self.accounting.add_episodes(source.pop_episodes())
             record.write_env_step(None, t, env_step, None)
@@ -561,7 +561,7 @@ class EnvGroupRunner:
                                                  on_device)
             self.state = self.state._replace(step_state=step_state)
             if self.copies_early:
-                _start_host_copies(output)
+                start_host_copies(output)
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: tally the episodes that ended, write this
             # batch's env steps and the sent batch's outputs (pipelined; its envs are not
