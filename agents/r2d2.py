@@ -69,12 +69,12 @@ import optax
 
 import sebulba
 from agents.common import checks, networks, normalization
+from agents.common.learner_devices import own_key
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
 from sebulba import target_network
 from sebulba.envs import observations
 from sebulba.experience import replay as rp
-from sebulba.runtime.sharding import LEARNER_AXIS
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 
 
@@ -466,10 +466,10 @@ class R2D2(sebulba.Agent):
         """`updates_per_trajectory`: the optimizer steps of an update of one trajectory."""
         return self.config.updates_per_trajectory
 
-    def optimizer_steps_per_update(self, trajectories_per_update: int) -> int:
+    def optimizer_steps_per_update(self, layout: sebulba.Layout) -> int:
         """`updates_per_trajectory` for each of the update's trajectories: the replay
         ratio is the same whatever `Config.trajectories_per_update`."""
-        return self.config.updates_per_trajectory * trajectories_per_update
+        return self.config.updates_per_trajectory * layout.trajectories_per_update
 
     # Learning.
 
@@ -525,7 +525,7 @@ class R2D2(sebulba.Agent):
         cfg = self.config
         key, sample_key = jax.random.split(experience.key)
         replay = experience.replay
-        batch = rp.sample(replay, _per_learner_device(sample_key), cfg.batch_size,
+        batch = rp.sample(replay, own_key(sample_key), cfg.batch_size,
                           cfg.importance_exponent)
         reward_scale = self.reward_scale(experience)
         losses, priorities, metrics = self.sequence_losses(nets, batch.items, reward_scale)
@@ -566,19 +566,6 @@ class R2D2(sebulba.Agent):
         steps = opt.steps + 1
         nets = target_network.refresh(nets, online, steps, self.config.target_update_period)
         return nets, R2D2OptState(adam, steps)
-
-
-def _per_learner_device(key: jax.Array) -> jax.Array:
-    """Folds in the learner device's index, so that devices sample independently.
-
-    The experience (and its key) starts the same on every learner device. Outside the
-    learner's shard_map (a direct call, as in unit tests) the key is used as is.
-    """
-    try:
-        index = jax.lax.axis_index(LEARNER_AXIS)
-    except NameError:
-        return key
-    return jax.random.fold_in(key, index)
 
 
 def n_step_returns(reward: jax.Array, bootstrap: jax.Array, terminated: jax.Array,

@@ -15,7 +15,7 @@ How it fits the Sebulba loop:
   sampled with `sample_uniform`), holding `replay_capacity / D` transitions, D the
   run's learner devices: `replay_capacity` counts transitions of the whole run. Every
   update cuts its trajectory shard (K x E / D envs of T steps) into one-step transitions
-  (`agents.common.transitions`, n_step > 1 for n-step ones): the action an env ignored
+  (`sebulba.experience.transitions`, n_step > 1 for n-step ones): the action an env ignored
   on an episode's last observation (NEXT_STEP autoreset) is left out, a terminated
   episode bootstraps 0, a truncated one from its final observation.
 - Warm-up: the experience counts the run's env steps (every env, every learner
@@ -23,12 +23,12 @@ How it fits the Sebulba loop:
   skips the gradient steps until then. The networks count the gradient steps taken,
   and `acting_nets` publishes "act at random" while that count is 0: the actors draw
   uniform actions until the learner has learnt once, whatever the layout.
-- Replay ratio: `updates_per_trajectory` gradient steps per received trajectory, so K
-  x that per learner update of K = `Config.trajectories_per_update` trajectories
-  (`optimizer_steps_per_update`). In gradient steps per env step of the run that is
-  updates_per_trajectory / (envs_per_group x steps_per_cycle x processes), whatever K
-  and the learner devices: the experience works it out from the layout and reports it
-  as the `replay_ratio` metric.
+- Replay ratio: `replay_ratio` gradient steps per env step of the run (every env of
+  every process). A learner update learns from K x envs_per_group x steps_per_cycle x
+  processes env steps (K = `Config.trajectories_per_update`), so
+  `optimizer_steps_per_update` runs round(replay_ratio x that) gradient steps, whatever
+  K and the learner devices, and refuses a ratio that rounds to none; the `replay_ratio`
+  metric reports the ratio achieved after rounding.
 - Learner devices: each samples `batch_size` transitions from its own replay with its
   own key; the learner averages the gradients, so a gradient step learns from D x
   batch_size transitions.
@@ -46,6 +46,7 @@ How it fits the Sebulba loop:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -62,11 +63,11 @@ from agents.common.distributions import GaussianHead, TanhGaussian
 from agents.common.learner_devices import own_key
 from agents.common.networks import MLP
 from agents.common.objectives import own_part_losses, per_field_optimizer
-from agents.common.transitions import Transition, n_step_transitions
 from sebulba import target_network
 from sebulba.agent import combine_partitions
 from sebulba.envs import observations
 from sebulba.experience import replay as rp
+from sebulba.experience.transitions import Transition, n_step_transitions
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 
 
@@ -88,10 +89,11 @@ class SACConfig:
         learner devices of the run holds replay_capacity / D, the newest it received).
       learning_starts: env steps of the whole run (every env) acted at random before
         the first gradient step.
-      updates_per_trajectory: gradient steps per trajectory received, i.e. a replay
-        ratio of updates_per_trajectory / (envs_per_group x steps_per_cycle x processes)
-        gradient steps per env step (the `replay_ratio` metric), independent of
-        `Config.trajectories_per_update` and of the learner devices.
+      replay_ratio: gradient steps per env step of the run (every env of every
+        process), independent of `Config.trajectories_per_update` and of the learner
+        devices. Each learner update runs round(replay_ratio x its env steps) gradient
+        steps, which must not round to 0; 0.25 is 128 steps per update with the
+        launcher's 16 envs x 32 steps. The `replay_ratio` metric is the ratio achieved.
     """
 
     hidden_sizes: Sequence[int] = (256, 256)
@@ -105,12 +107,13 @@ class SACConfig:
     batch_size: int = 256
     replay_capacity: int = 1_000_000
     learning_starts: int = 5_000
-    updates_per_trajectory: int = 128
+    replay_ratio: float = 0.25
 
     def __post_init__(self):
         checks.sizes(self, "hidden_sizes")
-        checks.ints(self, "n_step", "batch_size", "replay_capacity",
-                    "updates_per_trajectory")
+        checks.ints(self, "n_step", "batch_size", "replay_capacity")
+        checks.reals(self, "replay_ratio", low=0.0, high=sys.float_info.max, open_low=True,
+                     expected="a finite number > 0 (gradient steps per env step)")
         checks.ints(self, "learning_starts", low=0)
         checks.reals(self, "discount", "tau", low=0.0, high=1.0)
         checks.reals(self, "actor_learning_rate", "critic_learning_rate",
@@ -178,6 +181,12 @@ class SACExperience(NamedTuple):  # one per learner device
     learner_devices: jax.Array  # int32 scalar, D: the run's learner devices
     replay_ratio: jax.Array  # float32 scalar, gradient steps per env step of the run
     key: jax.Array  # typed PRNG key for sampling
+
+
+def env_steps_per_update(layout: sebulba.Layout) -> int:
+    """Env steps of one learner update of the run: every env of every process."""
+    return (layout.trajectories_per_update * layout.envs_per_group * layout.steps_per_cycle
+            * layout.num_processes)
 
 
 class SAC(sebulba.Agent):
@@ -253,14 +262,14 @@ class SAC(sebulba.Agent):
         items, _ = n_step_transitions(sebulba.zeros_trajectory(self, nets, 1, 1),
                                       cfg.discount, cfg.n_step)
         example = jax.tree.map(lambda x: x[0], items)
-        trajectory_steps = layout.envs_per_group * layout.steps_per_cycle * layout.num_processes
         return SACExperience(
             # priority_exponent does not matter: only ever sampled uniformly.
             replay=rp.new_replay(example, capacity, priority_exponent=0.0),
             env_steps=jnp.zeros((), jnp.int32),
             learner_devices=jnp.asarray(devices, jnp.int32),
-            replay_ratio=jnp.asarray(cfg.updates_per_trajectory / trajectory_steps,
-                                     jnp.float32),
+            replay_ratio=jnp.asarray(
+                self.optimizer_steps_per_update(layout) / env_steps_per_update(layout),
+                jnp.float32),
             key=key,
         )
 
@@ -308,13 +317,19 @@ class SAC(sebulba.Agent):
         return ((experience.env_steps >= self.config.learning_starts)
                 & (experience.replay.size > 0))
 
-    def optimizer_steps_per_update(self, trajectories_per_update: int) -> int:
-        """`updates_per_trajectory` for each trajectory of the update: the replay ratio
-        does not depend on `Config.trajectories_per_update`."""
-        return self.config.updates_per_trajectory * trajectories_per_update
-
-    def num_off_policy_optims_per_cycle(self) -> int:
-        return self.config.updates_per_trajectory
+    def optimizer_steps_per_update(self, layout: sebulba.Layout) -> int:
+        """round(replay_ratio x the env steps of an update of the run), at least 1."""
+        ratio, env_steps = self.config.replay_ratio, env_steps_per_update(layout)
+        steps = round(ratio * env_steps)
+        if steps < 1:
+            raise ValueError(
+                f"replay_ratio={ratio} gradient steps per env step rounds to 0 gradient "
+                f"steps per learner update of {env_steps} env steps (trajectories_per_update "
+                f"x envs_per_group x steps_per_cycle x processes = "
+                f"{layout.trajectories_per_update} x {layout.envs_per_group} x "
+                f"{layout.steps_per_cycle} x {layout.num_processes}); use replay_ratio >= "
+                f"{1 / env_steps:.3g} (1 step per update), or more env steps per update")
+        return steps
 
     # Learning.
 

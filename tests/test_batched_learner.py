@@ -52,14 +52,34 @@ def test_the_layout_counts_the_rows_of_an_update():
 @pytest.mark.timeout(60)
 def test_a_learner_update_takes_exactly_k_items():
     agent = CountingAgent(sebulba.env_spec(COUNTING))
-    learner = Learner(agent, jax.devices()[:1], trajectories_per_update=2)
+
+    def layout(k):
+        return sebulba.Layout(envs_per_group=4, num_groups=2, steps_per_cycle=3,
+                              num_learner_devices=1, trajectories_per_update=k)
+
+    learner = Learner(agent, jax.devices()[:1], layout(2))
     item = QueueItem(0, 0, None, None, None, 12)
     with pytest.raises(ValueError, match="takes trajectories_per_update=2 queue items, got 1"):
         learner.update(item)
     with pytest.raises(ValueError, match="takes trajectories_per_update=2 queue items, got 3"):
         learner.update([item] * 3)
     with pytest.raises(ValueError, match="trajectories_per_update must be an int >= 1, got 0"):
-        Learner(agent, jax.devices()[:1], trajectories_per_update=0)
+        Learner(agent, jax.devices()[:1], layout(0))
+
+    # The learner asks the agent for the optimizer steps of an update of its layout.
+    class StepsFromLayout(CountingAgent):
+        steps = None
+
+        def optimizer_steps_per_update(self, layout):
+            return self.steps if self.steps is not None else (
+                layout.trajectories_per_update * layout.steps_per_cycle)
+
+    agent = StepsFromLayout(sebulba.env_spec(COUNTING))
+    assert Learner(agent, jax.devices()[:1], layout(2)).optims_per_update == 2 * 3
+    agent.steps = -1
+    with pytest.raises(ValueError, match=r"StepsFromLayout.optimizer_steps_per_update\(layout\) "
+                                         r"must be an int >= 0, got -1"):
+        Learner(agent, jax.devices()[:1], layout(2))
 
 
 @pytest.mark.timeout(60)

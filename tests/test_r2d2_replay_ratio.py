@@ -19,7 +19,9 @@ def test_updates_per_trajectory_counts_optimizer_steps_per_trajectory(
                      sequence_overlap=T, burn_in=2, batch_size=4, replay_capacity=64,
                      min_replay_size=8, updates_per_trajectory=3)
     agent = R2D2(sebulba.env_spec(env, kwargs), cfg)
-    assert agent.optimizer_steps_per_update(trajectories_per_update) == 3 * trajectories_per_update
+    layout = sebulba.Layout(envs_per_group=E, num_groups=2, steps_per_cycle=T,
+                            num_learner_devices=1, trajectories_per_update=trajectories_per_update)
+    assert agent.optimizer_steps_per_update(layout) == 3 * trajectories_per_update
     config = sebulba.Config(env=env, env_kwargs=kwargs, envs_per_group=E, steps_per_cycle=T,
                             async_factor=2, trajectories_per_update=trajectories_per_update,
                             seed=1)

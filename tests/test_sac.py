@@ -18,11 +18,11 @@ import sebulba
 from agents.common.distributions import DiagGaussian, TanhGaussian
 from agents.common.learner_devices import own_key
 from agents.common.objectives import own_part_losses, per_field_optimizer
-from agents.common.transitions import n_step_transitions
 from agents.registry import AGENTS
 from agents.sac import SAC, SACConfig
 from sebulba import target_network
 from sebulba.agent import combine_partitions
+from sebulba.experience.transitions import n_step_transitions
 from sebulba.runtime.learner import per_learner_device
 from sebulba.types import ActorOutput, EnvStep, Trajectory
 
@@ -254,13 +254,16 @@ def _pendulum(**kwargs) -> sebulba.Config:
 
 @pytest.mark.timeout(300)
 def test_replay_ratio_warm_up_and_learner_devices(no_leftovers):
-    """Gradient steps per trajectory whatever trajectories_per_update; warm-up counted in
-    env steps; one replay per learner device, sized from the layout."""
+    """Gradient steps per env step whatever trajectories_per_update (U per trajectory of
+    E x T env steps); warm-up counted in env steps; one replay per learner device, sized
+    from the layout."""
     E, T, K, U = 8, 4, 2, 3
     cfg = SACConfig(hidden_sizes=(16,), batch_size=16, replay_capacity=2_000,
-                    learning_starts=200, updates_per_trajectory=U)
+                    learning_starts=200, replay_ratio=U / (E * T))
     agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
-    assert agent.optimizer_steps_per_update(K) == K * U
+    layout = sebulba.Layout(envs_per_group=E, num_groups=2, steps_per_cycle=T,
+                            num_learner_devices=2, trajectories_per_update=K)
+    assert agent.optimizer_steps_per_update(layout) == K * U
     config = _pendulum(envs_per_group=E, steps_per_cycle=T, async_factor=2,
                        inference_devices=[0], learner_devices=[1, 2],
                        trajectories_per_update=K, seed=3)
@@ -279,6 +282,29 @@ def test_replay_ratio_warm_up_and_learner_devices(no_leftovers):
     assert exp.replay.capacity == 1_000  # 2,000 over 2 learner devices
     assert 0 < int(exp.replay.size) <= E // 2 * T * trajectories  # its half of the envs
     assert result.metrics["replay_ratio"] == pytest.approx(U / (E * T))
+
+
+def test_the_replay_ratio_rounds_to_whole_gradient_steps_and_never_to_none(no_leftovers):
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(hidden_sizes=(8,), replay_ratio=0.1))
+    # 2 processes x 2 trajectories x 8 envs x 4 steps = 128 env steps per update.
+    layout = sebulba.Layout(envs_per_group=8, num_groups=2, steps_per_cycle=4,
+                            num_learner_devices=1, num_processes=2, trajectories_per_update=2)
+    assert agent.optimizer_steps_per_update(layout) == 13  # round(12.8)
+    experience = agent.new_experience_state(agent.new_networks(jax.random.key(0)),
+                                            jax.random.key(1), layout)
+    assert float(experience.replay_ratio) == pytest.approx(13 / 128)  # the ratio achieved
+    rare = SAC(agent.env_spec, SACConfig(hidden_sizes=(8,), replay_ratio=0.001))
+    with pytest.raises(ValueError, match=r"replay_ratio=0.001 .* rounds to 0 gradient steps "
+                                         r"per learner update of 128 env steps .*"
+                                         r"2 x 8 x 4 x 2\); use replay_ratio >= 0.00781"):
+        rare.optimizer_steps_per_update(layout)
+    # The run refuses it when it is made, before any thread starts.
+    with pytest.raises(ValueError, match=r"replay_ratio=0.001 .* of 32 env steps"):
+        sebulba.Sebulba(rare, _pendulum(envs_per_group=8, steps_per_cycle=4))
+    for bad in (0, -0.5, float("inf"), float("nan"), "0.25"):
+        with pytest.raises(ValueError, match=r"replay_ratio must be a finite number > 0 "
+                                             r"\(gradient steps per env step\), got"):
+            SACConfig(replay_ratio=bad)
 
 
 def test_learner_devices_sample_with_their_own_keys():
@@ -304,7 +330,7 @@ def test_sac_solves_pendulum_within_40k_env_steps(no_leftovers):
     """Random Pendulum scores about -1,200; solved is above -200. With 64-unit layers
     (for speed) and a replay ratio of 0.25 the last 10% ends at -113, -113 and -128 for
     seeds 0, 1, 2 (30-40 s each on 2 cores)."""
-    cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000, updates_per_trajectory=16)
+    cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000)  # replay_ratio 0.25
     agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
     config = _pendulum(envs_per_group=8, steps_per_cycle=8, async_factor=1, seed=0)
     result = sebulba.Sebulba(agent, config).run(40_000)
@@ -312,13 +338,13 @@ def test_sac_solves_pendulum_within_40k_env_steps(no_leftovers):
     report = f"first 10%: {first:.1f}, last 10%: {last:.1f}\n{result.summary()}"
     assert last >= -200, report
     assert last >= first + 500, report
-    assert result.metrics["replay_ratio"] == pytest.approx(16 / 64)
+    assert result.metrics["replay_ratio"] == pytest.approx(0.25)  # 16 steps per 64 env steps
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sac_with_default_networks_solves_pendulum_within_100k_env_steps(no_leftovers):
-    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(updates_per_trajectory=16))
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig())
     config = _pendulum(envs_per_group=8, steps_per_cycle=8, async_factor=1, seed=0)
     result = sebulba.Sebulba(agent, config).run(100_000)
     last = result.mean_return(0.9, 1.0)

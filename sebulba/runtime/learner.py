@@ -7,7 +7,7 @@ every learner device at once:
     initial, final, trajectory = the K items joined along the env axis   # if K > 1
     nets = agent.update_statistics(nets, trajectory)     # if the agent keeps statistics
     experience = agent.update_experience(experience, initial, final, trajectory, nets)
-    repeat agent.num_off_policy_optims_per_cycle():      # optimizer steps
+    repeat agent.optimizer_steps_per_update(layout):     # optimizer steps
         if agent.ready_to_learn(experience) on every learner device:
             loss -> grads -> pmean over the learner devices -> agent.optimize_from_grads
     publish agent.acting_nets(nets, updates) to every inference device's staging
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sebulba.agent import Agent, combine_partitions
+from sebulba.agent import Agent, Layout, combine_partitions
 from sebulba.runtime import sharding, transfers
 from sebulba.runtime.accounting import Accounting
 from sebulba.runtime.channels import QueueItem, Staging
@@ -162,15 +162,16 @@ class Learner:
     `MAX_QUEUED_STEPS` optimizer steps, so the devices never hold an unbounded queue.
     """
 
-    def __init__(self, agent: Agent, devices: Sequence[jax.Device], *,
-                 check_finite: bool = True, trajectories_per_update: int = 1):
-        k = trajectories_per_update
+    def __init__(self, agent: Agent, devices: Sequence[jax.Device], layout: Layout, *,
+                 check_finite: bool = True):
+        k = layout.trajectories_per_update
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"trajectories_per_update must be an int >= 1, got {k!r}")
-        optims = agent.optimizer_steps_per_update(k)
+        optims = agent.optimizer_steps_per_update(layout)
         if not isinstance(optims, int) or isinstance(optims, bool) or optims < 0:
             raise ValueError(
-                f"optimizer_steps_per_update({k}) must be an int >= 0, got {optims!r}")
+                f"{type(agent).__name__}.optimizer_steps_per_update(layout) must be an int "
+                f">= 0, got {optims!r}")
         self.agent = agent
         self.devices = list(devices)  # the learner mesh: every process's learner devices
         self.optims_per_update = optims
