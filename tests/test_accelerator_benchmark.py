@@ -7,54 +7,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks import accelerator
+from tests.benchmark_runs import run_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_ENVPOOL = importlib.util.find_spec("envpool") is not None
-
-
-def _smoke_env() -> dict[str, str]:
-    """One CPU device (not the tests' four), compiled with XLA's cheapest optimizations:
-    the smoke checks that the stages run, not how fast."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def _session_gone(session: int) -> bool:
-    try:
-        os.killpg(session, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One `--smoke` run in its own process session: (return code, stdout, records
-    printed, records written to --out, whether the session is gone at the end)."""
+    """One `--smoke` run in its own process session: (return code, stdout, stderr,
+    records printed, records written to --out, whether the session is gone)."""
     out = tmp_path_factory.mktemp("accelerator") / "records.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.accelerator", "--smoke",
-                             f"--out={out}"], cwd=ROOT, env=_smoke_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the smoke run did not finish within 240 s")
-    printed = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    with open(out, encoding="utf-8") as f:
-        written = [json.loads(line) for line in f]
-    return proc.returncode, stdout, stderr, printed, written, _session_gone(proc.pid)
+    run = run_benchmark("benchmarks.accelerator", "--smoke", out=str(out))
+    return run.returncode, run.stdout, run.stderr, run.printed, run.written, run.gone
 
 
 def _stages(printed: list[dict]) -> dict[str, dict]:

@@ -212,7 +212,7 @@ def test_videos_of_an_env_that_cannot_render_are_refused_before_training(tmp_pat
 ])
 def test_bad_evaluation_settings_are_refused_at_construction(field, value, match):
     with pytest.raises(ValueError, match=match):
-        sebulba.Config(eval_every_updates=1, **{field: value})
+        sebulba.Config(**{"eval_every_updates": 1, field: value})
 
 
 def test_evaluation_is_off_unless_asked_for():

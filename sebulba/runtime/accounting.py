@@ -46,6 +46,7 @@ class Accounting:
         self.episodes: collections.deque[tuple[int, float, int]] = collections.deque(
             maxlen=EPISODE_WINDOW)
         self.episodes_total = 0
+        self.longest_episode = 0  # of the whole run, in env steps (agent steps)
         self.policy_lags: collections.deque[int] = collections.deque(maxlen=LAG_WINDOW)
         self.lag_sum = 0
         self.lag_max = 0
@@ -68,6 +69,7 @@ class Accounting:
         with self._lock:
             for ret, length in ended:
                 self.episodes.append((self.env_steps, ret, length))
+                self.longest_episode = max(self.longest_episode, length)
             self.episodes_total += len(ended)
 
     def add_team_episodes(self, padding_steps: int, ended: list[tuple[float, int]]) -> None:

@@ -1,12 +1,13 @@
 """Evaluation during training: a thread with its own envs, off the hot path.
 
-    Learner --offer(update, env steps, acting nets)--> deque(maxlen=1) --> evaluator thread
+    Learner --offer(update, env steps, acting nets)--> deque --> evaluator thread
     evaluator thread --Evaluation--> Accounting.evaluations --> on_update, RunResult
 
 The learner offers the networks it just published every `eval_every_updates` updates;
 an offer never waits: it is passed over while an evaluation is under way, and declined
-while the evaluations' env steps would pass `eval_max_share` of the training's, so
-evaluation costs its own work and never a wait. The thread runs `eval_episodes` complete
+while the evaluations' env steps, the next one's estimated from the longest training
+episode, would pass `eval_max_share` of the training's, so evaluation costs its own
+work and never a wait. The thread runs `eval_episodes` complete
 episodes (`sebulba.evaluation.EpisodeRunner`) per evaluation, on envs of its own made
 like the run's, and every `eval_video_every`-th evaluation records one more episode to
 `eval_video_dir`. An error in it stops the run like any thread's.
@@ -115,16 +116,22 @@ class Evaluator:
     def start(self) -> None:
         self.thread.start()
 
-    def offer(self, learner_update: int, env_steps: int, acting_nets: Nets) -> bool:
+    def offer(self, learner_update: int, env_steps: int, acting_nets: Nets,
+              longest_episode: int) -> bool:
         """Hands networks to evaluate (copied to the evaluator's device, asynchronously);
         never waits. Taken only every `eval_every_updates` updates, while no evaluation
         is under way, and when the evaluations' env steps would stay within
-        `eval_max_share` of the training's `env_steps` (the next one estimated as the
-        last one's); whether taken."""
+        `eval_max_share` of the training's `env_steps`; whether taken.
+
+        The next evaluation is estimated at the larger of the last one's env steps and
+        its envs (rows) times `longest_episode`, the longest training episode so far: an
+        evaluation steps every env until its longest episode ends. Before any training
+        episode has ended there is no estimate, and nothing is taken."""
         cfg = self.config
         if learner_update % cfg.eval_every_updates or self._busy:
             return False
-        if self.env_steps + self._last_steps > cfg.eval_max_share * env_steps:
+        estimate = max(self._last_steps, self.runner.source.num_envs * longest_episode)
+        if not estimate or self.env_steps + estimate > cfg.eval_max_share * env_steps:
             self.declined += 1
             return False
         self._busy = True  # until the thread has evaluated them

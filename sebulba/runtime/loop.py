@@ -387,7 +387,8 @@ class Sebulba:
         if run.evaluator is None:
             return ()
         consumed = run.accounting.consumed * self.num_processes
-        run.evaluator.offer(self.learner.updates, consumed, self.learner.published)
+        run.evaluator.offer(self.learner.updates, consumed, self.learner.published,
+                            run.accounting.longest_episode)
         evaluations = tuple(run.evaluator.take())
         # The result keeps their figures, not their videos' frames (hundreds of MB each).
         run.evaluations.extend(dataclasses.replace(e, video_frames=None) for e in evaluations)
