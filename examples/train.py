@@ -537,6 +537,7 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
             local_experience=launch.local_experience, stop=preemption.event,
             progress_timeout_s=_PROGRESS_TIMEOUT.value,
             learner_updates=launch.learner_updates)
+        reporter.finish(result.evaluations)
         if own is not None and last_info is not None:
             step = reporter.global_step(last_info)
             if step not in own.all_steps():

@@ -91,9 +91,11 @@ class EpisodeRunner:
         source.reset(seed=seed)
         # On the networks' device, as the acting call returns it: an uncommitted first
         # step state would compile the call a second time.
-        device = jax.tree.leaves(acting_nets)[0].device
-        step_state = jax.device_put(self.agent.new_step_state(
-            acting_nets, jax.random.key(seed), source.num_envs), device)
+        step_state = self.agent.new_step_state(acting_nets, jax.random.key(seed),
+                                               source.num_envs)
+        leaves = jax.tree.leaves(acting_nets)
+        if leaves:
+            step_state = jax.device_put(step_state, leaves[0].device)
         for _ in range(max_env_steps // source.num_envs + 1):
             if stop is not None and stop.is_set():
                 return None

@@ -164,6 +164,7 @@ class Reporter:
         self._last_steps = step_offset
         self._episodes_seen = 0
         self._eval_return: float | None = None  # the last evaluation's, for the bar
+        self._evaluations_written = 0
         self._videos = ThreadPoolExecutor(1, thread_name_prefix="sebulba-video-writer")
         self._bound = bottleneck.Tracker()  # what bounds the run, for the bar
         self._bar = None
@@ -210,10 +211,17 @@ class Reporter:
         if self.writer is not None:
             self.writer.write(step, scalars)
 
+    def finish(self, evaluations: Sequence[Evaluation]) -> None:
+        """Writes the run's evaluations (`RunResult.evaluations`) that no `on_update` call
+        carried: those that finished after the learner's last update."""
+        for evaluation in evaluations[self._evaluations_written:]:
+            self._write_evaluation(evaluation)
+
     def _write_evaluation(self, evaluation: Evaluation) -> None:
         """An evaluation's figures at the step its networks were published at."""
         scalars = evaluation.scalars()
         self._eval_return = scalars["eval/return"]
+        self._evaluations_written += 1
         step = self.step_offset + evaluation.env_steps
         if self.writer is None:
             return

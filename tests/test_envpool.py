@@ -205,6 +205,7 @@ def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
         wrapped.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ppo_balances_envpools_mujoco_inverted_pendulum(no_leftovers):
     # EnvPool's MuJoCo ids: float64 observations and actions (converted at the source),

@@ -18,7 +18,7 @@ HAS_ENVPOOL = importlib.util.find_spec("envpool") is not None
 
 
 @pytest.fixture(scope="module", params=[
-    "cartpole",
+    pytest.param("cartpole", marks=pytest.mark.slow),  # 30 s: with the slow tests
     pytest.param("pong", marks=[pytest.mark.slow, pytest.mark.skipif(
         not HAS_ENVPOOL, reason="Pong is EnvPool's Pong-v5: needs the envpool extra")]),
 ])

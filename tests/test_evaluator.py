@@ -119,7 +119,7 @@ def test_a_slow_evaluation_never_holds_up_training_and_is_abandoned_at_the_end(
 def test_an_error_in_the_evaluator_stops_the_run_with_its_traceback(no_leftovers):
     with pytest.raises(RuntimeError, match="the evaluation env broke") as raised:
         run_with_evaluation(10_000_000, env=lambda: EvaluatorThreadEnv(fail=True),
-                            eval_every_updates=1)
+                            eval_every_updates=1, eval_max_share=1.0)
     frames = [frame.name for frame in raised.traceback]
     assert "step" in frames and "_evaluate" in frames  # where it happened
 
@@ -165,6 +165,7 @@ def test_videos_are_recorded_every_m_evaluations_to_files_and_tensorboard(tmp_pa
         result = run_with_evaluation(8_000, on_update=on_update, eval_every_updates=2,
                                      eval_episodes=2, eval_max_share=1.0,
                                      eval_video_dir=videos, eval_video_every=2)
+        reporter.finish(result.evaluations)  # those that finished after the last update
     finally:
         reporter.close()
     with_video = [e for e in result.evaluations if e.video]

@@ -38,6 +38,7 @@ def test_impala_solves_cartpole_in_1m_steps(no_leftovers):
     assert r.mean_return(0.9, 1.0) >= 300, r.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     # CueRecall with 2 cues and delay 5: the cue is shown only at the first of 7 steps and
@@ -55,6 +56,7 @@ def test_lstm_recalls_a_cue_that_feed_forward_cannot(no_leftovers):
     assert lstm.mean_return(0.9, 1.0) >= 0.9, lstm.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     # RepeatFirst: name the symbol shown at step 0 at each of 50 steps, 1/50 a step;

@@ -229,6 +229,7 @@ def run_launchers(args: list[list[str]], envs: list[dict]) -> list[str]:
     return [out for out, _ in outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
     # The README's across-machines command, on 127.0.0.1: it must join the cluster

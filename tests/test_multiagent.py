@@ -211,6 +211,7 @@ def role_call_return(agent_cls, config, steps, agent_ids, seed=0) -> float:
 ROLE_PPO = PPOConfig(entropy_cost=0.05, learning_rate=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_shared_policy_ppo_learns_distinct_roles_only_when_it_sees_agent_ids(no_leftovers):
     """One policy for three cooperating agents that must answer differently (RoleCall:

@@ -218,6 +218,7 @@ def test_two_processes_learn_cartpole_like_one(tmp_path, no_leftovers):
     assert max(two, one) / min(two, one) <= 1.4, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_processes_learn_cartpole(tmp_path, no_leftovers):
     # The default suite's shorter variant: the 2-process run alone, 30k steps. The mean

@@ -42,6 +42,7 @@ def test_ppo_solves_cartpole_in_500k_steps(no_leftovers):
     assert r.mean_return(0.9, 1.0) >= 400, r.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lstm_ppo_recalls_a_cue_that_feed_forward_ppo_cannot(no_leftovers):
     """Cue recall with 4 cues: the cue is seen at step 0 only and answered at step 6.
@@ -88,6 +89,7 @@ def test_lstm_ppo_balances_cartpole_without_velocities(no_leftovers):
     assert feed_forward.mean_return(0.9, 1.0) < 100, feed_forward.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lstm_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     """RepeatFirst-v0 with PPO's defaults (only use_lstm set): name the symbol shown at

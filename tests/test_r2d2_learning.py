@@ -51,6 +51,7 @@ def test_r2d2_recalls_the_cue_where_a_feed_forward_q_network_cannot(no_leftovers
     assert feed_forward.mean_return(0.9, 1.0) <= 0.6, feed_forward.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_r2d2_defaults_learn_small_rewards_that_need_memory(no_leftovers):
     """RepeatFirst-v0 with R2D2's defaults: name the symbol shown at step 0 at each of 50

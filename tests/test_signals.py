@@ -203,6 +203,7 @@ def test_the_hard_exit_comes_at_the_grace_even_while_the_main_thread_waits_in_c(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_launcher_cuts_a_long_update_and_saves_within_the_grace(tmp_path):
     logdir = tmp_path / "run"
