@@ -31,6 +31,10 @@ from sebulba.evaluation import EpisodeRunner, EvaluationResult, VideoRecorder, s
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox
 from sebulba.types import Nets
 
+# Evaluation envs are seeded from the run's seed plus this: apart from the training
+# envs' seeds (`Sebulba._env_seed`) for any run of fewer rows.
+EVAL_SEED = 1_000_003
+
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
@@ -104,7 +108,6 @@ class Evaluator:
         self._done: collections.deque[Evaluation] = collections.deque()
         self._evaluations = 0
         self._last_steps = 0  # the env steps of the last evaluation (its video included)
-        self.declined = 0  # offers declined to keep within eval_max_share
         self._busy = False  # networks taken and not evaluated yet
         self.thread = threading.Thread(target=self._main, name="sebulba-evaluator", daemon=True)
 
@@ -132,7 +135,6 @@ class Evaluator:
             return False
         estimate = max(self._last_steps, self.runner.source.num_envs * longest_episode)
         if not estimate or self.env_steps + estimate > cfg.eval_max_share * env_steps:
-            self.declined += 1
             return False
         self._busy = True  # until the thread has evaluated them
         self._offered.append((learner_update, env_steps,
@@ -194,11 +196,6 @@ class Evaluator:
         close_all(self._sources)
         if self._video is not None:
             self._video.close()
-
-
-# Evaluation envs are seeded from the run's seed plus this: apart from the training
-# envs' seeds (`Sebulba._env_seed`) for any run of fewer rows.
-EVAL_SEED = 1_000_003
 
 
 def _one(sources: list) -> object:
