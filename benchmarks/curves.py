@@ -63,6 +63,8 @@ def binned_curve(episodes: list[tuple[int, float, int]], total: int, bins: int
 def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     import dataclasses
 
+    import numpy as np
+
     import sebulba
     from agents.registry import AGENTS
 
@@ -77,9 +79,17 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "env_steps": result.env_steps,
         "wall_seconds": round(result.wall_seconds, 1),
         "steps_per_second": round(result.steps_per_second, 1),
+        "learner_updates": result.learner_updates,
+        "learner_updates_per_second": round(result.learner_updates / result.wall_seconds, 2),
+        "optimizer_steps": result.optimizer_steps,
+        "optimizer_steps_per_second": round(result.optimizer_steps / result.wall_seconds, 1),
         "last_10pct_return": round(result.mean_return(0.9, 1.0), 2),
         "episodes": result.episodes_total,
         "curve": binned_curve(result.episodes, result.env_steps, args.bins),
+        # Evaluation during training (loop_config's eval_every_updates), at the env step
+        # its networks were published: (env steps, mean return, episodes).
+        "evaluations": [(e.env_steps, round(float(np.mean(e.result.returns)), 2),
+                         len(e.result.returns)) for e in result.evaluations],
     }
 
 
