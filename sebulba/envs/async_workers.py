@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,7 +29,7 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import write_to_shared_memory
 
 # What a pipe to a worker process raises once the worker is gone.
-_PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
+PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 
 
 def _main_script() -> str | None:
@@ -132,22 +132,22 @@ def worker_death_error(processes: Sequence[multiprocessing.Process], during: str
     return RuntimeError(message)
 
 
-@contextlib.contextmanager
-def named_worker_deaths(vec: gym.vector.VectorEnv, during: str) -> Iterator[None]:
-    """Turns the bare EOFError of a pipe to a dead async worker into an error naming it."""
-    try:
-        yield
-    except _PIPE_ERRORS as e:
-        if isinstance(e.__cause__, RemoteTraceback):  # the env's own error, from its worker
-            raise
-        processes = getattr(vec, "processes", None)
-        error = worker_death_error(processes, during) if processes else None
-        if error is None:
-            raise
+def raise_named_worker_death(vec: gym.vector.VectorEnv, during: str,
+                             error: BaseException) -> None:
+    """For the bare EOFError (or another of `PIPE_ERRORS`) of a pipe to a dead async
+    worker, raises an error naming the worker, from `error`; returns where `error` says
+    more as it is (the env's own error, from its worker) or no worker died, for the
+    caller's `raise`. Called from an `except PIPE_ERRORS` around each env step: a handler
+    costs nothing until it runs, unlike a context manager entered every step."""
+    if isinstance(error.__cause__, RemoteTraceback):  # the env's own error, from its worker
+        return
+    processes = getattr(vec, "processes", None)
+    named = worker_death_error(processes, during) if processes else None
+    if named is not None:
         # No answer will come for the call under way: let close() terminate the workers
         # instead of waiting for it (and failing on the dead pipe again).
         vec._state = gym.vector.async_vector_env.AsyncState.DEFAULT
-        raise error from e
+        raise named from error
 
 
 class RemoteTraceback(Exception):
@@ -181,7 +181,7 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             super().__init__(env_fns, **kwargs)
         except BaseException as e:
             error = None
-            if isinstance(e, _PIPE_ERRORS) and not isinstance(e.__cause__, RemoteTraceback):
+            if isinstance(e, PIPE_ERRORS) and not isinstance(e.__cause__, RemoteTraceback):
                 error = worker_death_error(getattr(self, "processes", []), "starting",
                                            kwargs.get("context"))
             self._stop_workers()
@@ -315,7 +315,7 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
         while True:
             try:
                 command, data = pipe.recv()
-            except _PIPE_ERRORS:  # the parent closed its end: nothing to answer
+            except PIPE_ERRORS:  # the parent closed its end: nothing to answer
                 break
             if write is None and command in ("reset", "step"):
                 _check_supported(autoreset_mode, semaphore, shared_memory)
@@ -343,7 +343,7 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
         error_type, error, _ = sys.exc_info()  # first one, for an env that cannot be made)
         error_queue.put(_error_report(index, error_type, error, traceback.format_exc()))
         if env is None:  # not made: reply to the parent's first command, not before it
-            with contextlib.suppress(*_PIPE_ERRORS):
+            with contextlib.suppress(*PIPE_ERRORS):
                 pipe.recv()
         pipe.send((None, False))
     finally:

@@ -14,10 +14,11 @@ import gymnasium as gym
 import numpy as np
 
 from sebulba.envs.async_workers import (
+    PIPE_ERRORS,
     AsyncVectorEnv,
     check_main_guard,
     env_worker,
-    named_worker_deaths,
+    raise_named_worker_death,
 )
 from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
 from sebulba.envs.output_checks import BatchCheck, CheckedEnv, env_name
@@ -335,8 +336,11 @@ class VectorEnvSource:
             rewards=not envs_checked) if check_output else None
 
     def reset(self, seed: int) -> None:
-        with named_worker_deaths(self.vec, "resetting its env"):
+        try:
             obs, _ = self.vec.reset(seed=seed)
+        except PIPE_ERRORS as e:
+            raise_named_worker_death(self.vec, "resetting its env", e)
+            raise
         self._tracker.restart()
         zeros = np.zeros(self.num_envs, bool)
         self._result = (obs, np.zeros(self.num_envs, np.float32), zeros, zeros)
@@ -357,8 +361,11 @@ class VectorEnvSource:
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         actions = self._to_env(actions)
-        with named_worker_deaths(self.vec, "stepping its env"):
+        try:
             obs, reward, terminated, truncated, _ = self.vec.step(actions)
+        except PIPE_ERRORS as e:
+            raise_named_worker_death(self.vec, "stepping its env", e)
+            raise
         self._tracker.sent(ids)
         self._result = (obs, reward, terminated, truncated)
 
