@@ -35,7 +35,9 @@ Each verdict names the one setting most likely to help (`ADVICE`): env-bound, a 
 group's step as much where a group's envs step one after another); inference-bound, more
 `envs_per_group` (an acting call costs an accelerator about the same for more envs);
 learner-bound, a larger `trajectories_per_update` (open to any machine; where devices
-are spare, more `learner_devices` help too); queue-bound, a longer `steps_per_cycle`
+are spare, more `learner_devices` help too; an agent whose gradient steps per update
+grow with the update's env steps, as SAC's `replay_ratio` makes them, needs a lower ratio
+or more learner devices instead); queue-bound, a longer `steps_per_cycle`
 (the same transfers carry more env steps).
 
 Undetermined (no verdict, never an error): no wall time, or no seconds yet from either
@@ -80,7 +82,9 @@ ADVICE: dict[str, str] = {
     "inference": "try more envs_per_group: each acting call then acts for more envs, at "
                  "little more cost on an accelerator",
     "learner": "try a larger trajectories_per_update: each update then learns from more "
-               "env steps at once, spreading its cost over them",
+               "env steps at once, spreading its cost over them (where an agent's "
+               "gradient steps grow with its env steps, as SAC's replay_ratio makes them, "
+               "a lower ratio or more learner_devices instead)",
     "queue": "try a longer steps_per_cycle: the same transfers to the learner devices then "
              "carry more env steps",
 }
