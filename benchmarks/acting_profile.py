@@ -11,8 +11,9 @@ dispatch, the wait for the action, the env's step.
     python -m benchmarks.acting_profile --vectorization=sync
     python -m benchmarks.acting_profile --vectorization=envpool --async_factor=2
 
-Records (JSON lines): meta, `bare` (the bare loop's parts), `loop` (steps/second, the
-loop's stage times), one `call` record per timed call, largest first; end.
+Records (JSON lines, also to `--out`): meta, `bare` (the bare loop's parts), `loop`
+(steps/second, the loop's stage times), one `call` record per timed call, largest first;
+end.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import time
 from typing import Any
 
@@ -37,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cycles", type=int, default=100, help="cycles of 100 steps per group")
     p.add_argument("--hidden_sizes", type=int_list, default=[200] * 5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=str, default=None, help="also write the records here (JSONL)")
     args = p.parse_args(argv)
     if args.vectorization == "sync" and args.async_factor != 1:
         p.error("sync with async_factor > 1 runs one thread per group; profile async_factor 1")
@@ -165,28 +168,40 @@ def main(argv: list[str] | None = None) -> None:
     from agents.spg import SPG, SPGConfig
 
     started = time.perf_counter()
-    emit(meta("acting_profile", vars(args)))
-    agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
-    if args.vectorization == "sync":
-        parts = bare_parts(agent, args.envs_per_group, args.cycles * 100, args.seed)
-        emit({"record": "bare", "us_per_vector_step": parts,
-              "total": round(sum(parts.values()), 1)})
-    timers = Timers()
-    instrument(timers)
-    loop = sebulba.Sebulba(agent, sebulba.Config(
-        env=ENV_ID, envs_per_group=args.envs_per_group, vectorization=args.vectorization,
-        async_factor=args.async_factor, steps_per_cycle=100, seed=args.seed))
-    measure(loop, cycles=1)  # compiles
-    timers.clear()
-    rec = measure(loop, args.cycles)
-    emit({"record": "loop", **rec})
-    vector_steps = rec["env_steps"] / args.envs_per_group
-    for label, seconds in timers.seconds.most_common():
-        emit({"record": "call", "call": label,
-              "us_per_vector_step": round(1e6 * seconds / vector_steps, 1),
-              "calls_per_vector_step": round(timers.calls[label] / vector_steps, 3),
-              "us_per_call": round(1e6 * seconds / timers.calls[label], 1)})
-    emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+    out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
+
+    def record(rec: dict[str, Any]) -> None:
+        stamped = emit(rec)
+        if out is not None:
+            out.write(json.dumps(stamped) + "\n")
+            out.flush()
+
+    try:
+        record(meta("acting_profile", vars(args)))
+        agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
+        if args.vectorization == "sync":
+            parts = bare_parts(agent, args.envs_per_group, args.cycles * 100, args.seed)
+            record({"record": "bare", "us_per_vector_step": parts,
+                    "total": round(sum(parts.values()), 1)})
+        timers = Timers()
+        instrument(timers)
+        loop = sebulba.Sebulba(agent, sebulba.Config(
+            env=ENV_ID, envs_per_group=args.envs_per_group, vectorization=args.vectorization,
+            async_factor=args.async_factor, steps_per_cycle=100, seed=args.seed))
+        measure(loop, cycles=1)  # compiles
+        timers.clear()
+        rec = measure(loop, args.cycles)
+        record({"record": "loop", **rec})
+        vector_steps = rec["env_steps"] / args.envs_per_group
+        for label, seconds in timers.seconds.most_common():
+            record({"record": "call", "call": label,
+                    "us_per_vector_step": round(1e6 * seconds / vector_steps, 1),
+                    "calls_per_vector_step": round(timers.calls[label] / vector_steps, 3),
+                    "us_per_call": round(1e6 * seconds / timers.calls[label], 1)})
+        record({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+    finally:
+        if out is not None:
+            out.close()
 
 
 if __name__ == "__main__":
