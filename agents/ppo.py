@@ -180,11 +180,15 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
                 f"(env, segment) groups of each learner device ({seg.num_segments} "
                 f"segments / {self.central_agents} agents per env): a centralized value "
                 "(central_value) keeps each env's agents in one minibatch")
-        # A placeholder built by the same function as real experience, so its structure
-        # and shapes are exactly what update_experience returns (the buffers are donated).
+        # A placeholder of exactly the structure and shapes update_experience returns (the
+        # buffers are donated), from the same function's shapes: zeros, and the real key
+        # the first update draws from. Not `_prepare` itself, which outside `jit` would
+        # run op by op, compiling each op (and its scans on every run).
         zeros = sebulba.zeros_trajectory(
             self, nets, layout.envs_per_update_shard, layout.steps_per_cycle)
-        return self._prepare(zeros, nets, key, jnp.zeros((), jnp.int32))
+        shapes = jax.eval_shape(self._prepare, zeros, nets, key, jnp.zeros((), jnp.int32))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                            shapes._replace(key=None))._replace(key=key)
 
     def _segment_layout(
         self, num_envs: int, steps_per_cycle: int, num_shards: int | None = None,
