@@ -1,6 +1,7 @@
 """Training speed (learning on) of PPO and IMPALA in the Sebulba loop, on CartPole-v1
-and on Atari Pong, for each async_factor: env steps/second, learner updates/second,
-policy lag and where the time goes (`RunResult.stage_seconds`, summed over threads).
+and on Atari Pong, and of PPO and SAC on HalfCheetah-v5, for each async_factor: env
+steps/second, learner updates and optimizer steps per second, policy lag and where the
+time goes (`RunResult.stage_seconds`, summed over threads).
 
 CartPole-v1: the agents' default configs, sync vectorization, 16 envs per group, T = 32.
 Pong: `ALE/Pong-v5` through ale-py's AtariVectorEnv ("vector_entry_point": 84 x 84
@@ -8,6 +9,9 @@ grayscale stacks of 4, frame skip 4, its own threads), so the agents use the Nat
 a config small enough for 2 cores: 8 envs per group, T = 32, PPO with 2 epochs of 2
 minibatches (its default 4 x 4 would make PPO's learner 4x costlier than IMPALA's), and
 rewards clipped to [-1, 1] for IMPALA as in the paper. One env step is 4 frames.
+HalfCheetah-v5 ("halfcheetah", extra `mujoco`): the agents' default configs, sync
+vectorization, the launcher's 16 envs per group; SAC's measured run starts with its
+`learning_starts` env steps of random actions, as every SAC run does.
 
 Each configuration first runs a few cycles that compile acting and learning (the loop
 keeps its compiled functions), then the measured run from a fresh initial state.
@@ -19,6 +23,7 @@ Records (JSON lines): meta; one train record per (agent, env, async_factor) and 
     python -m benchmarks.train_speed --envs=pong --agents=ppo --async_factors=2
     python -m benchmarks.train_speed --envs=pong,pong_envpool --agents=impala --async_factors=2
     python -m benchmarks.train_speed --envs=pong_envpool --agents=impala --async_factors=2 --bounds
+    python -m benchmarks.train_speed --envs=halfcheetah --agents=ppo,sac --async_factors=2
 
 With `--bounds`, each repeat also measures, alone, the env (a bare loop over the same
 vector env or pool, random actions) and the learner (`learner_only`: updates on a fixed
@@ -38,6 +43,7 @@ from typing import Any
 from benchmarks._util import emit, int_list, meta, str_list
 
 PONG_ID = "ALE/Pong-v5"
+HALFCHEETAH_ID = "HalfCheetah-v5"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,7 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="measured env steps per CartPole configuration")
     p.add_argument("--pong_steps", type=int, default=10_240,
                    help="measured env steps per Pong configuration")
+    p.add_argument("--halfcheetah_steps", type=int, default=40_960,
+                   help="consumed env steps per HalfCheetah run")
     p.add_argument("--cartpole_envs", type=int, default=16, help="envs per group")
+    p.add_argument("--halfcheetah_envs", type=int, default=16, help="envs per group")
     p.add_argument("--pong_envs", type=int, default=8, help="envs per group")
     p.add_argument("--steps_per_cycle", type=int, default=32)
     p.add_argument("--pong_ppo_epochs", type=int, default=2)
@@ -107,8 +116,11 @@ def build_loop(args: argparse.Namespace, agent_name: str, env: str, async_factor
                                             num_minibatches=args.pong_ppo_minibatches)
         elif agent_name == "impala":
             agent_cfg = dataclasses.replace(agent_cfg, reward_clip=1.0)
+    elif env == "halfcheetah":
+        env_id, vectorization, envs = HALFCHEETAH_ID, "sync", args.halfcheetah_envs
+        agent_cfg = entry.config_class()
     else:
-        raise ValueError(f"unknown env {env!r}: cartpole, pong or pong_envpool")
+        raise ValueError(f"unknown env {env!r}: cartpole, pong, pong_envpool or halfcheetah")
     spec = sebulba.env_spec(env_id, vectorization=vectorization)
     config = sebulba.Config(env=env_id, envs_per_group=envs, vectorization=vectorization,
                             async_factor=async_factor, steps_per_cycle=args.steps_per_cycle,
@@ -131,6 +143,7 @@ def measure_training(loop, env_steps: int) -> dict[str, Any]:
         "learner_updates": result.learner_updates,
         "learner_updates_per_second": round(result.learner_updates / wall, 2),
         "optimizer_steps": result.optimizer_steps,
+        "optimizer_steps_per_second": round(result.optimizer_steps / wall, 1),
         # In learner updates (trajectories learnt from).
         "policy_lag_mean": round(sum(lags) / len(lags), 2) if lags else None,
         "policy_lag_max": max(lags) if lags else None,
@@ -154,15 +167,19 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = loop.config
                 t0 = time.perf_counter()
                 # Compiles step, update_experience and optimize; every later run reuses them.
+                # An agent that learns only after a warm-up of random actions (SAC's
+                # learning_starts) compiles optimize only once past it.
                 loop.run(args.warmup_cycles * cfg.num_groups * cfg.envs_per_group
-                         * cfg.steps_per_cycle)
+                         * cfg.steps_per_cycle
+                         + getattr(agent_cfg, "learning_starts", 0))
                 emit({"record": "warmup", "agent": agent_name, "env": env,
                       "async_factor": af, "seconds": round(time.perf_counter() - t0, 1)})
                 loops[agent_name, env, af] = loop, agent_cfg
 
     for repeat in range(args.repeats):
         for (agent_name, env, af), (loop, _) in loops.items():
-            steps = args.cartpole_steps if env == "cartpole" else args.pong_steps
+            steps = {"cartpole": args.cartpole_steps,
+                     "halfcheetah": args.halfcheetah_steps}.get(env, args.pong_steps)
             bounds = measure_bounds(args, loop) if args.bounds else {}
             rec = measure_training(loop, steps)
             if bounds:
