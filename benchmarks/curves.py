@@ -4,7 +4,8 @@ PNG plot (matplotlib, extra `notebooks`).
 
 Records (JSON lines): meta; one run record per seed (steps/second, the mean return over the
 last 10% of the budget, the curve binned into `--bins` points); end. The plot shows each
-seed's curve and their mean.
+seed's curve (and its evaluations during training, where `--loop_config` asks for
+them, as dots).
 
     python -m benchmarks.curves --agent=ppo --env=InvertedPendulum-v5 --steps=300000
     python -m benchmarks.curves --agent=ppo --env=HalfCheetah-v5 --steps=1000000 \\
@@ -102,14 +103,19 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for rec in records:
         points = [(s, r) for s, r in rec["curve"] if r is not None]
-        ax.plot([s for s, _ in points], [r for _, r in points], alpha=0.5,
-                label=f"seed {rec['seed']}: {rec['last_10pct_return']:.0f}")
+        line, = ax.plot([s for s, _ in points], [r for _, r in points], alpha=0.5,
+                        label=f"seed {rec['seed']}: {rec['last_10pct_return']:.0f}")
+        evaluations = rec.get("evaluations") or []
+        if evaluations:  # evaluation during training: the same seed's color, as dots
+            ax.plot([e[0] for e in evaluations], [e[1] for e in evaluations], "o",
+                    color=line.get_color(), alpha=0.7, markersize=4)
     first = records[0]
     ax.set_title(f"{first['agent']} on {first['env']}, default config "
                  f"({sum(r['steps_per_second'] for r in records) / len(records):,.0f} steps/s)")
     ax.set_xlabel("env steps")
     ax.set_ylabel("episode return")
-    ax.legend(title="last 10% mean")
+    ax.legend(title="last 10% mean" + (" (dots: evaluations)" if any(
+        r.get("evaluations") for r in records) else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
