@@ -324,3 +324,43 @@ def test_a_policy_trained_on_envpool_is_evaluated_on_envpool():
         results[vectorization] = lengths
     # The same policy on the same task: the even envs fall as fast on either.
     assert abs(results["envpool"][0::2].mean() - results["sync"][0::2].mean()) <= 2.0, results
+
+
+@pytest.mark.timeout(300)
+def test_sac_learns_from_envpools_mujoco_transitions(no_leftovers):
+    """SAC on EnvPool's InvertedPendulum-v5 (float64 observations and actions, converted
+    at the source; the pole's fall terminates, EnvPool's done split into terminated and
+    truncated): every env's transitions reach the replay, in the policy's (-1, 1) action
+    units, a fall bootstraps nothing and other steps do, and the learner takes its
+    gradient steps once the warm-up of random actions is over."""
+    from agents.sac import SAC, SACConfig
+
+    env = "InvertedPendulum-v5"
+    E, T = 8, 8
+    cfg = SACConfig(hidden_sizes=(16,), batch_size=32, replay_capacity=10_000,
+                    learning_starts=256, replay_ratio=1 / (E * T))
+    agent = SAC(sebulba.env_spec(env, vectorization="envpool"), cfg)
+    config = sebulba.Config(env=env, vectorization="envpool", envs_per_group=E,
+                            steps_per_cycle=T, async_factor=2, seed=0)
+    result = sebulba.Sebulba(agent, config).run(E * T * 40)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    replay = result.state.experience.replay
+    size = int(replay.size)
+    # Each trajectory of E x T steps gives E x T transitions but those across an
+    # episode's end (the action the env ignored on its last observation).
+    ended = sum(1 for step, _, _ in result.episodes if step <= result.consumed)
+    # (episodes are stamped with the env steps taken when they were counted: a few
+    # rows' slack).
+    assert abs(size - (result.consumed - ended)) <= E * 2, (size, ended, result.summary())
+    items = jax.tree.map(lambda x: np.asarray(x[:size]), replay.items)
+    assert items.obs.dtype == np.float32 and items.obs.shape[1:] == (4,)
+    assert np.all(np.abs(items.action) <= 1.0)  # unit actions, not the env's [-3, 3]
+    assert np.unique(items.action).size > size // 2  # random, then sampled: not constant
+    terminal = items.discount == 0.0
+    assert terminal.any() and (~terminal).any()  # falls (terminated) and the rest
+    assert np.allclose(items.discount[~terminal], cfg.discount)
+    # Learning began after the warm-up: one gradient step per update since then.
+    warm_updates = -(-cfg.learning_starts // (E * T))
+    steps = int(result.state.nets.gradient_steps)
+    assert steps == result.learner_updates - warm_updates + 1 > 0, steps
+    assert np.isfinite(result.metrics["critic_loss"]) and result.metrics["learning"] == 1.0
