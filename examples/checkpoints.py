@@ -5,16 +5,13 @@ No flags here, so that code which imports the launcher (`examples.train`) can us
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any
 
 import jax
 
 import sebulba
 from agents.registry import AGENTS
 from sebulba.checkpoint import Checkpointer
-from sebulba.envs.gymnasium_source import EnvFactory, make_env
 from sebulba.evaluation import evaluation_vectorization
 
 
@@ -27,15 +24,6 @@ def eval_vectorization(meta: dict) -> str:
     """The vectorization that evaluates the checkpoint's policy in process, with the
     spaces it was trained on; ValueError where evaluation does not support its run's."""
     return evaluation_vectorization(meta.get("vectorization", "sync"))
-
-
-def eval_env(meta: dict) -> tuple[str | EnvFactory, dict[str, Any] | None]:
-    """(env, env_kwargs) that make the checkpoint's env for `sebulba.evaluation.evaluate`:
-    its id and kwargs, or with env_wrappers a factory that applies them too."""
-    wrappers = meta.get("env_wrappers") or ()
-    if not wrappers:
-        return meta["env"], meta["env_kwargs"]
-    return functools.partial(make_env, meta["env"], meta["env_kwargs"], tuple(wrappers)), None
 
 
 def load_policy(path: str, step: int | None = None) -> tuple[sebulba.Agent, object, dict]:

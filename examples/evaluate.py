@@ -10,7 +10,7 @@ import json
 
 from absl import app, flags
 
-from examples.checkpoints import eval_env, eval_vectorization, load_policy
+from examples.checkpoints import eval_vectorization, load_policy
 from examples.config_flags import run_main
 from sebulba.envs import registry
 from sebulba.evaluation import evaluate, record_video
@@ -40,22 +40,19 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(
             f"--video_dir: env {meta['env']!r} was trained through vectorization "
             f"{vectorization!r}, whose envs preprocess frames and do not render")
-    if _VIDEO_DIR.value and meta.get("env_wrappers"):
-        # sebulba.evaluation.record_video makes the env from its id alone.
-        raise app.UsageError(
-            f"--video_dir: the checkpoint's env is wrapped ({', '.join(meta['env_wrappers'])}) "
-            "and videos are recorded of unwrapped envs only")
     greedy = not _SAMPLED.value
-    env, env_kwargs = eval_env(meta)
-    result = evaluate(agent, nets, env, _EPISODES.value, greedy=greedy,
-                      num_envs=_NUM_ENVS.value, seed=_SEED.value, env_kwargs=env_kwargs,
-                      vectorization=vectorization)
+    wrappers = meta.get("env_wrappers") or ()
+    result = evaluate(agent, nets, meta["env"], _EPISODES.value, greedy=greedy,
+                      num_envs=_NUM_ENVS.value, seed=_SEED.value,
+                      env_kwargs=meta["env_kwargs"], vectorization=vectorization,
+                      env_wrappers=wrappers)
     report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
               **result.as_dict()}
     if _VIDEO_DIR.value:
         report["video_return"] = record_video(agent, nets, meta["env"], _VIDEO_DIR.value,
                                               greedy=greedy, seed=_SEED.value,
-                                              env_kwargs=meta["env_kwargs"])
+                                              env_kwargs=meta["env_kwargs"],
+                                              env_wrappers=wrappers)
         report["video_dir"] = _VIDEO_DIR.value
     print(json.dumps(report))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,7 @@ from sebulba.envs import registry
 from sebulba.envs.base import EnvSource, close_all
 from sebulba.envs.gymnasium_source import EnvFactory
 from sebulba.envs.output_checks import env_name
+from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
 from sebulba.types import Nets
 
 
@@ -143,6 +144,7 @@ def evaluate(
     max_env_steps: int = 10_000_000,
     vectorization: str = "sync",
     agent_ids: bool = False,
+    env_wrappers: str | Sequence[EnvWrapper] = (),
 ) -> EvaluationResult:
     """Runs `agent` (greedy or sampled) for `num_episodes` complete episodes on
     `min(num_envs, num_episodes)` envs (see `EpisodeRunner`).
@@ -155,7 +157,9 @@ def evaluate(
     in env order), "pettingzoo" (episodes are env episodes, returns team returns, with
     each agent's in `agent_returns`) or, for ids whose own vector env preprocesses
     (Atari), "vector_entry_point" (`evaluation_vectorization` names the one for a run's).
-    `agent_ids` as the run's (`Config.agent_ids`, multi-agent envs).
+    `agent_ids` and `env_wrappers` as the run's (`Config.agent_ids`, multi-agent envs;
+    `Config.env_wrappers`). An env whose spaces are not the agent's is a ValueError naming
+    both, before any episode.
     """
     kind = registry.get(vectorization)
     if kind.evaluate_as is None:
@@ -166,8 +170,11 @@ def evaluate(
     num_envs = min(num_envs, num_episodes)
     nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
     # A source seeded when made (EnvPool) takes the seed here, the others at reset.
-    sources = kind.make_sources(registry.SourceRequest(
-        env, dict(env_kwargs or {}), num_envs, seed=seed, agent_ids=agent_ids))
+    request = registry.SourceRequest(env, dict(env_kwargs or {}), num_envs, seed=seed,
+                                     agent_ids=agent_ids,
+                                     env_wrappers=parse_wrappers(env_wrappers))
+    check_agent_fits(agent, vectorization, request)
+    sources = kind.make_sources(request)
     try:
         source = _one_group(sources, vectorization, num_envs)
         runner = EpisodeRunner(agent, source, greedy=greedy)
@@ -176,6 +183,19 @@ def evaluate(
         close_all(sources)
     assert result is not None  # no stop event
     return result
+
+
+def check_agent_fits(agent: Agent, vectorization: str, request: registry.SourceRequest
+                     ) -> None:
+    """ValueError naming both specs where the envs of `request` do not have the spaces
+    `agent` was built for (a run checks its own at construction)."""
+    spec = registry.get(vectorization).env_spec(
+        dataclasses.replace(request, group_size=1, num_groups=1))
+    if agent.env_spec != spec:
+        wrapped = (f" wrapped in {', '.join(map(str, request.env_wrappers))}"
+                   if request.env_wrappers else "")
+        raise ValueError(f"the agent was built for {agent.env_spec}, but env "
+                         f"{env_name(request.env)}{wrapped} has {spec}")
 
 
 def _one_group(sources: list, vectorization: str, num_envs: int):
@@ -224,6 +244,7 @@ class VideoRecorder:
     def __init__(self, agent: Agent, vectorization: str, request: registry.SourceRequest,
                  *, greedy: bool = True):
         kind = registry.get(vectorization)
+        check_agent_fits(agent, vectorization, request)
         request = dataclasses.replace(
             request, env_kwargs={**request.env_kwargs, "render_mode": "rgb_array"},
             group_size=1, num_groups=1)
@@ -295,11 +316,16 @@ def record_video(
     env_kwargs: Mapping[str, Any] | None = None,
     vectorization: str = "sync",
     name: str = "episode",
+    env_wrappers: str | Sequence[EnvWrapper] = (),
 ) -> float:
     """Records one episode to `video_dir/name.mp4`; returns the episode's return. The env
-    must render (render_mode="rgb_array"): ValueError otherwise."""
+    must render (render_mode="rgb_array"): ValueError otherwise. `env_wrappers` wrap it as
+    `Config.env_wrappers` wrap a run's envs (vectorizations that make each env: "sync",
+    "async"), so a policy trained through wrappers sees what it learnt from; the frames
+    are the env's own."""
     recorder = VideoRecorder(agent, vectorization, registry.SourceRequest(
-        env, dict(env_kwargs or {}), 1, seed=seed), greedy=greedy)
+        env, dict(env_kwargs or {}), 1, seed=seed, env_wrappers=parse_wrappers(env_wrappers)),
+        greedy=greedy)
     try:
         acting = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
         frames, episode_return = recorder.record(acting, seed)

@@ -90,3 +90,31 @@ def test_sources_of_several_groups_are_refused():
         finally:
             registry.unregister(name)
     assert made and all(source.closed for source in made)
+
+
+@pytest.mark.timeout(120)
+def test_a_video_of_a_wrapped_env_shows_the_policy_what_it_was_trained_on(tmp_path):
+    """record_video applies the run's env_wrappers: an agent built for CartPole's
+    observations stacked two deep acts on the wrapped env and the video holds the env's
+    own frames; without the wrappers its network would read the wrong shape."""
+    from sebulba.evaluation import record_video
+
+    wrappers = ("FrameStackObservation(stack_size=2)",)
+    agent = SPG(sebulba.Config(env="CartPole-v1", env_wrappers=wrappers).env_spec())
+    assert agent.env_spec.obs_shape == (2, 4)
+    nets = agent.new_networks(jax.random.key(0))
+    episode_return = record_video(agent, nets, "CartPole-v1", str(tmp_path), seed=3,
+                                  env_wrappers=wrappers, name="stacked")
+    assert 1 <= episode_return <= 500
+    video = tmp_path / "stacked.mp4"
+    assert video.exists() and video.stat().st_size > 1000
+    # The unwrapped env's (4,) observations do not fit: named before any step.
+    with pytest.raises(ValueError, match=r"(?s)the agent was built for .*\(2, 4\).* but env "
+                                         r"'CartPole-v1' has .*\(4,\)"):
+        record_video(agent, nets, "CartPole-v1", str(tmp_path), seed=3, name="unwrapped")
+    assert not (tmp_path / "unwrapped.mp4").exists()
+    # evaluate() takes the wrappers too, and checks the same.
+    result = evaluate(agent, nets, "CartPole-v1", 2, num_envs=2, env_wrappers=wrappers)
+    assert len(result.returns) == 2 and min(result.returns) >= 1
+    with pytest.raises(ValueError, match="the agent was built for"):
+        evaluate(agent, nets, "CartPole-v1", 2, num_envs=2)

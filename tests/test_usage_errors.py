@@ -232,7 +232,7 @@ def test_wrappers_wrap_each_env_of_a_vector_env_in_order(vectorization, no_lefto
 
 @pytest.mark.timeout(120)
 def test_the_launcher_trains_evaluates_and_checkpoints_wrapped_envs(tmp_path):
-    from examples.checkpoints import eval_env, load_policy
+    from examples.checkpoints import load_policy
     from sebulba.evaluation import evaluate
 
     logdir = tmp_path / "run"
@@ -244,9 +244,16 @@ def test_the_launcher_trains_evaluates_and_checkpoints_wrapped_envs(tmp_path):
     assert meta["env_wrappers"] == ["FrameStackObservation(stack_size=2)",
                                     "ClipReward(max_reward=0.5)"]
     assert agent.env_spec.observation_space.shape == (2, 4)
-    env, env_kwargs = eval_env(meta)
-    evaluation = evaluate(agent, nets, env, 2, num_envs=2, env_kwargs=env_kwargs)
+    evaluation = evaluate(agent, nets, meta["env"], 2, num_envs=2,
+                          env_kwargs=meta["env_kwargs"], env_wrappers=meta["env_wrappers"])
     assert max(evaluation.returns) <= 0.5 * 500  # rewards clipped to 0.5
+    # The example evaluates and records the wrapped env as it was trained.
+    video = tmp_path / "video"
+    report = launcher(f"--checkpoint={logdir}", "--episodes=2", f"--video_dir={video}",
+                      module="examples.evaluate", timeout=100)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert json.loads(report.stdout.splitlines()[-1])["episodes"] == 2
+    assert [f for f in os.listdir(video) if f.endswith(".mp4")]
     # A resume without the wrappers is another env.
     again = launcher("--agent=spg", "--resume", f"--logdir={logdir}", *SMALL)
     assert again.returncode == USAGE_EXIT_CODE and "env_wrappers" in again.stderr
