@@ -9,6 +9,7 @@ import threading
 import time
 
 import gymnasium as gym
+import jax
 import numpy as np
 import pytest
 
@@ -74,6 +75,26 @@ def test_evaluation_costs_at_most_its_share_of_the_env_steps(no_leftovers):
     # every evaluation after the first is made only within the share (the next one
     # estimated as the last one's): the share holds up to one evaluation's steps
     assert result.evaluator_env_steps <= 0.05 * result.consumed + 2 * last
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("video", [False, True])
+def test_an_evaluation_is_estimated_with_the_episode_it_records(tmp_path, video):
+    """Two envs and a longest training episode of 100 steps: 200 env steps, and 300
+    where a video episode follows; within a share of 250 only the first is taken."""
+    from sebulba.runtime.channels import ErrorBox
+    from sebulba.runtime.evaluator import Evaluator
+
+    config = sebulba.Config(eval_every_updates=1, eval_episodes=2, eval_max_share=0.25,
+                            eval_video_dir=str(tmp_path) if video else None)
+    agent = SPG(config.env_spec())
+    acting = agent.acting_nets(agent.new_networks(jax.random.key(0)), 0)
+    halt = threading.Event()
+    evaluator = Evaluator(agent, config, jax.devices()[0], ErrorBox(halt), halt)
+    try:  # never started: offer only decides
+        assert evaluator.offer(1, 1_000, acting, longest_episode=100) is not video
+    finally:
+        assert evaluator.close(timeout_s=1.0)
 
 
 class EvaluatorThreadEnv(gym.Env):

@@ -127,13 +127,17 @@ class Evaluator:
         `eval_max_share` of the training's `env_steps`; whether taken.
 
         The next evaluation is estimated at the larger of the last one's env steps and
-        its envs (rows) times `longest_episode`, the longest training episode so far: an
-        evaluation steps every env until its longest episode ends. Before any training
-        episode has ended there is no estimate, and nothing is taken."""
+        its envs (rows; with the video env's where it records an episode) times
+        `longest_episode`, the longest training episode so far: an evaluation steps every
+        env until its longest episode ends. Before any training episode has ended there
+        is no estimate, and nothing is taken."""
         cfg = self.config
         if learner_update % cfg.eval_every_updates or self._busy:
             return False
-        estimate = max(self._last_steps, self.runner.source.num_envs * longest_episode)
+        rows = self.runner.source.num_envs
+        if self._video is not None and self._evaluations % cfg.eval_video_every == 0:
+            rows += self._video.runner.source.num_envs  # the episode recorded after it
+        estimate = max(self._last_steps, rows * longest_episode)
         if not estimate or self.env_steps + estimate > cfg.eval_max_share * env_steps:
             return False
         self._busy = True  # until the thread has evaluated them
