@@ -6,6 +6,7 @@ worker processes that import the benchmark's main module, and they should start 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -14,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -30,6 +31,26 @@ def emit(record: dict[str, Any]) -> dict[str, Any]:
     stamped = {**record, "time": now, "load": load()}
     print(json.dumps(stamped), flush=True)
     return stamped
+
+
+@contextlib.contextmanager
+def records_to(path: str | None) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A function that `emit`s a record and, with `path` (a benchmark's `--out`), also
+    appends the stamped record to that file as a JSON line, flushed at once (a run cut
+    short keeps what it measured). The file is closed on leaving."""
+    out = open(path, "w") if path else None  # noqa: SIM115 - closed below
+
+    def record(rec: dict[str, Any]) -> None:
+        stamped = emit(rec)
+        if out is not None:
+            out.write(json.dumps(stamped) + "\n")
+            out.flush()
+
+    try:
+        yield record
+    finally:
+        if out is not None:
+            out.close()
 
 
 def meta(benchmark: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import multiprocessing
 import os
 import sys
@@ -53,7 +52,6 @@ from typing import Any
 
 from benchmarks import acting_spg
 from benchmarks._util import (
-    emit,
     env_only,
     envpool_only,
     inference_only,
@@ -61,6 +59,7 @@ from benchmarks._util import (
     measure,
     meta,
     ratio,
+    records_to,
 )
 
 STAGES = ("acting_latency", "acting_only", "breakout_ppo", "breakout_impala",
@@ -510,14 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     started = time.perf_counter()
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
-    try:
-        def record(rec: dict[str, Any]) -> None:
-            stamped = emit(rec)
-            if out is not None:
-                out.write(json.dumps(stamped) + "\n")
-                out.flush()
-
+    with records_to(args.out) as record:
         record(meta("accelerator", vars(args)))
         device = jax.local_devices()[0]
         on_accelerator = device.platform != "cpu"
@@ -544,9 +536,6 @@ def main(argv: list[str] | None = None) -> int:
                 "targets_apply": on_accelerator, **_leftovers()})
         print(table(records, f"{device} ({device.device_kind})", on_accelerator,
                     seconds), flush=True)
-    finally:
-        if out is not None:
-            out.close()
     return 1 if failed else 0
 
 

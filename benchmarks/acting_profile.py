@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import time
 from typing import Any
 
-from benchmarks._util import emit, int_list, measure, meta
+from benchmarks._util import int_list, measure, meta, records_to
 
 ENV_ID = "CartPole-v1"
 
@@ -168,15 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     from agents.spg import SPG, SPGConfig
 
     started = time.perf_counter()
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
-
-    def record(rec: dict[str, Any]) -> None:
-        stamped = emit(rec)
-        if out is not None:
-            out.write(json.dumps(stamped) + "\n")
-            out.flush()
-
-    try:
+    with records_to(args.out) as record:
         record(meta("acting_profile", vars(args)))
         agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
         if args.vectorization == "sync":
@@ -199,9 +190,6 @@ def main(argv: list[str] | None = None) -> None:
                     "calls_per_vector_step": round(timers.calls[label] / vector_steps, 3),
                     "us_per_call": round(1e6 * seconds / timers.calls[label], 1)})
         record({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
-    finally:
-        if out is not None:
-            out.close()
 
 
 if __name__ == "__main__":

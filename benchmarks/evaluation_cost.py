@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import resource
 import threading
 import time
 from typing import Any
 
 from benchmarks import train_speed
-from benchmarks._util import emit, median, meta, ratio, str_list
+from benchmarks._util import median, meta, ratio, records_to, str_list
 
 SETUPS = {  # setup: (agent, train_speed's env)
     "cartpole": ("ppo", "cartpole"),
@@ -287,26 +286,17 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     args = parse_args(argv)
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
-
-    def record(rec: dict[str, Any]) -> None:
-        stamped = emit(rec)
-        if out is not None:
-            out.write(json.dumps(stamped) + "\n")
-            out.flush()
-
     work = EvaluatorWork()
     jax.monitoring.register_event_duration_secs_listener(work.on_jax_event)
     try:
-        started = time.perf_counter()
-        record(meta("evaluation_cost", vars(args)))
-        for setup in args.setups:
-            measure_setup(args, setup, record, work)
-        record({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+        with records_to(args.out) as record:
+            started = time.perf_counter()
+            record(meta("evaluation_cost", vars(args)))
+            for setup in args.setups:
+                measure_setup(args, setup, record, work)
+            record({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
     finally:
         jax.monitoring.unregister_event_duration_listener(work.on_jax_event)
-        if out is not None:
-            out.close()
 
 
 if __name__ == "__main__":
