@@ -4,12 +4,13 @@ acting only) with a timer around each call of interest, against the bare loop's 
 Each call is timed inside the real loop (a wrapper adds about 0.3 us a call) and reported
 per vector step of one group: microseconds and calls. Timings nest: a source's `send`
 includes its env's step, a `recv` its tracker and checks. For one inferencer thread
-(sync with async_factor 1, or EnvPool with any async_factor, one thread per device);
+(sync with async_factor 1, or EnvPool with any async_factor: one thread per device);
 several threads would add into the same counters. The bare loop's parts: its acting call's
 dispatch, the wait for the action, the env's step.
 
     python -m benchmarks.acting_profile --vectorization=sync
     python -m benchmarks.acting_profile --vectorization=envpool --async_factor=2
+    python -m benchmarks.acting_profile --vectorization=envpool_async --async_factor=2
 
 Records (JSON lines, also to `--out`): meta, `bare` (the bare loop's parts), `loop`
 (steps/second, the loop's stage times), one `call` record per timed call, largest first;
@@ -32,7 +33,7 @@ ENV_ID = "CartPole-v1"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.acting_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vectorization", default="sync", choices=["sync", "envpool"])
+    p.add_argument("--vectorization", default="sync", choices=["sync", "envpool", "envpool_async"])
     p.add_argument("--async_factor", type=int, default=1)
     p.add_argument("--envs_per_group", type=int, default=16)
     p.add_argument("--cycles", type=int, default=100, help="cycles of 100 steps per group")
@@ -52,10 +53,11 @@ class Timers:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
 
-    def wrap(self, owner: Any, name: str, label: str, *, static: bool = False) -> None:
-        """Replaces `owner.name` (a class's method, or an instance's attribute) with a
-        timed call of it."""
-        f = getattr(owner, name)
+    def wrap(self, owner: Any, name: Any, label: str, *, static: bool = False,
+             item: bool = False) -> None:
+        """Replaces `owner.name` (a class's method, or an instance's attribute; with
+        `item`, `owner[name]`) with a timed call of it."""
+        f = owner[name] if item else getattr(owner, name)
         clock = time.perf_counter
 
         @functools.wraps(f)
@@ -67,7 +69,10 @@ class Timers:
                 self.seconds[label] += clock() - t0
                 self.calls[label] += 1
 
-        setattr(owner, name, staticmethod(timed) if static else timed)
+        if item:
+            owner[name] = timed
+        else:
+            setattr(owner, name, staticmethod(timed) if static else timed)
 
     def after_init(self, cls: type, wrap_instance) -> None:
         """Calls `wrap_instance(instance)` after each `cls(...)`: for the attributes an
@@ -89,23 +94,29 @@ class Timers:
 def instrument(timers: Timers) -> None:
     """Wraps the acting loop's calls (classes patched in this process only)."""
     from sebulba.envs import envpool_source, gymnasium_source
-    from sebulba.runtime import inferencer
+    from sebulba.runtime import accounting, inferencer
 
     def source_parts(source) -> None:
-        timers.wrap(source._tracker, "observe", "tracker.observe (by id)")
-        timers.wrap(source._tracker, "observe_all", "tracker.observe_all")
-        if source._check is not None:
+        for tracker in getattr(source, "_trackers", [getattr(source, "_tracker", None)]):
+            timers.wrap(tracker, "observe", "tracker.observe (by id)")
+            timers.wrap(tracker, "observe_all", "tracker.observe_all")
+        for i in range(len(getattr(source, "_checks", None) or [])):
+            timers.wrap(source._checks, i, "rows' check", item=True)
+        if getattr(source, "_check", None) is not None:
             timers.wrap(source, "_check", "rows' check")
         if hasattr(source, "vec"):
             timers.wrap(source.vec, "step", "vec.step (per-env checks included)")
-        else:
-            timers.wrap(source.pool, "_recv", "pool._recv")
-            timers.wrap(source.pool, "_send", "pool._send")
 
-    for cls in (gymnasium_source.VectorEnvSource, envpool_source.EnvPoolSource):
+    sources = (gymnasium_source.VectorEnvSource, envpool_source.EnvPoolSource,
+               envpool_source.EnvPoolGroups)
+    for cls in sources:
         for name in ("recv", "send", "pop_episodes"):
             timers.wrap(cls, name, f"source.{name}")
         timers.after_init(cls, source_parts)
+    timers.wrap(envpool_source._Pool, "recv", "pool recv (C++)")
+    timers.wrap(envpool_source._Pool, "send", "pool send (C++)")
+    timers.wrap(accounting.Accounting, "add_episodes", "accounting: episodes")
+    timers.wrap(accounting.Accounting, "add_env_steps", "accounting: env steps")
 
     def acting_parts(acting) -> None:
         timers.wrap(acting, "act_all", "acting call: dispatch")

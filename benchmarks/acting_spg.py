@@ -19,9 +19,10 @@ configuration alike), then one summary per configuration with the medians.
     python -m benchmarks.acting_spg --envs_per_group=8,16,32 --vectorizations=sync
     python -m benchmarks.acting_spg --vectorizations=sync,envpool   # sync against EnvPool
 
-With "envpool" (extra `envpool`) each inference device drives one pool of async_factor
-groups from one thread, recv returning whichever group's envs are ready; its env-only
-figure is a bare recv/send loop over the same pool.
+With "envpool" (extra `envpool`) each inference device drives a pool per group from one
+thread, the groups in turn; with "envpool_async" one pool of async_factor groups, recv
+returning whichever group's envs are ready. The env-only figure of both is a bare
+recv/send loop over one pool of all the groups, and their bare loop that pool pipelined.
 
 `--check_env_output=on,off` measures the cost of `Config.check_env_output`: every
 configuration runs with the checks and without, the two in alternating order within each
@@ -62,6 +63,7 @@ ENV_ID = "CartPole-v1"
 # For sync envs; async ones alone are slower (benchmarks/RESULTS.md, "Async versus sync
 # vectorization").
 TARGET_STEPS_PER_SECOND = 15_000
+POOLS = ("envpool", "envpool_async")  # calibrated against one pool of all groups
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         for e in args.envs_per_group:
             for v in args.vectorizations:
-                for af in (args.async_factors if v == "envpool" else [1]):
-                    if v == "envpool":  # one pool of all groups, as the loop drives it
+                for af in (args.async_factors if v in POOLS else [1]):
+                    if v in POOLS:  # one pool of all groups, pipelined
                         sps = envpool_only(ENV_ID, e, af, vector_steps * af, args.seed)
                     else:
                         sps = env_only(lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                     emit({"record": "env_only", "repeat": repeat, "vectorization": v,
                           "async_factor": af, "envs_per_group": e,
                           "steps_per_second": round(sps, 1)})
-                    if v == "envpool":
+                    if v in POOLS:
                         sps = bare_pool_loop(agent, ENV_ID, e, af, vector_steps * af,
                                              args.seed, poll_s=poll[v])
                     else:
@@ -145,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
             emit({"record": "sebulba", "repeat": repeat, "check_env_output": key[3], **rec})
 
     for (v, af, e, check), values in runs.items():
-        env_sps = median(envs[v, e, af if v == "envpool" else 1])
-        bare_sps = median(bare[v, e, af if v == "envpool" else 1])
+        env_sps = median(envs[v, e, af if v in POOLS else 1])
+        bare_sps = median(bare[v, e, af if v in POOLS else 1])
         sps, inf_sps = median(values), median(infer[e])
         bound = min(env_sps, inf_sps)
         serial = 1.0 / (1.0 / env_sps + 1.0 / inf_sps)  # env and inference never overlap

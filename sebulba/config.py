@@ -38,8 +38,8 @@ class Config:
       envs_per_group: envs in each env group (the envs of one inferencer thread's cycle).
         Divisible by the number of learner devices: each trajectory is split over them.
       vectorization: the env source kind, a name registered in `sebulba.envs.registry`
-        (shipped: "sync", "async", "vector_entry_point", "envpool", "pettingzoo"; each
-        kind's `help` says what it is).
+        (shipped: "sync", "async", "vector_entry_point", "envpool", "envpool_async",
+        "pettingzoo"; each kind's `help` says what it is).
       agent_ids: multi-agent envs: append a one-hot of the agent's index to its (flat)
         observation, so that one shared policy can act differently per agent.
       async_factor: env groups per inference device; 2 = double buffering.

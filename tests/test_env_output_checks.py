@@ -123,11 +123,18 @@ def test_a_real_env_s_nan_observations_are_named():
 def test_envpool_s_nan_and_inf_are_named_by_env_and_group(env_kwargs, step, problem):
     request = registry.SourceRequest("HalfCheetah-v4", env_kwargs, group_size=4,
                                      num_groups=2)
+    # A pool per group, in turn: group 0 is received first, and its env 0 named.
     (made,) = registry.get("envpool").make_sources(request)
+    with pytest.raises(BadEnvOutput, match=re.escape(
+            f"env 'HalfCheetah-v4' (env 0 of the 4 in group 0's EnvPool), step {step}: "
+            f"{problem}")):
+        step_until_error(made, action=lambda n: np.full((n, 6), 0.5, np.float32))
+    # One pool of both groups, by id: it returns whichever 4 of its 8 envs are ready
+    # first, and of those the one of lowest id is named, by its place in the pool and
+    # in its group.
+    (made,) = registry.get("envpool_async").make_sources(request)
     with pytest.raises(BadEnvOutput) as raised:
         step_until_error(made, action=lambda n: np.full((n, 6), 0.5, np.float32))
-    # Every env is bad; the pool returns whichever 4 of its 8 envs are ready first, and
-    # of those the one of lowest id is named, by its place in the pool and in its group.
     named = re.fullmatch(
         r"env 'HalfCheetah-v4' \(env (\d) of the 8 in its EnvPool: env (\d) of the pool's "
         r"group (\d)\), step (\d+): (.*)", str(raised.value))

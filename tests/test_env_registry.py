@@ -3,6 +3,8 @@ evaluation take it like the shipped ones."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -90,6 +92,25 @@ SIGN = EnvSourceKind(
 )
 
 
+class InTurnSignSource(SignSource):
+    """The same source, declared to step in order: with the loop's pipelining (a group
+    is received before the one before it is sent) its recv returns the groups in turn,
+    each whole and in id order, as a source of several groups in order must."""
+
+    in_order = True
+
+    def recv(self):
+        ids, env_step, steps = super().recv()
+        g = int(ids[0]) // self.group_size
+        np.testing.assert_array_equal(ids, g * self.group_size + np.arange(self.group_size))
+        return ids, env_step, steps
+
+
+def make_in_turn_sources(request: SourceRequest) -> list[SignSource]:
+    made.append(InTurnSignSource(request.num_groups, request.group_size, request.seed))
+    return [made[-1]]
+
+
 @pytest.fixture
 def sign_kind():
     registry.register(SIGN)
@@ -99,13 +120,18 @@ def sign_kind():
 
 
 @pytest.mark.timeout(300)
-def test_a_registered_source_trains_through_the_loop(sign_kind, no_leftovers):
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_registered_source_trains_through_the_loop(sign_kind, in_order, no_leftovers):
+    if in_order:  # the same source's groups in turn, driven as in-order groups
+        registry.register(dataclasses.replace(SIGN, make_sources=make_in_turn_sources,
+                                              steps_in_order=True), replace=True)
     config = sebulba.Config(env="sign", vectorization="test_sign", envs_per_group=8,
                             async_factor=2, steps_per_cycle=16, learner_devices=[0, 1])
     agent = SPG(config.env_spec(), SPGConfig(hidden_sizes=(32,)))
     result = sebulba.Sebulba(agent, config).run(40_000)
 
     assert len(made) == 1 and made[0].closed  # one source of both groups, closed at the end
+    assert made[0].in_order == in_order
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
     assert result.consumed >= 40_000
     # Chance is EPISODE_LENGTH / 2; naming the sign shown is worth EPISODE_LENGTH.
@@ -135,35 +161,18 @@ def test_config_asks_the_registry(sign_kind):
         sebulba.Config(env="sign", vectorization="test_sign")
 
 
-class InOrderSignSource(SignSource):
-    in_order = True  # wrongly: its recv returns one group at a time
-
-
-@pytest.mark.timeout(60)
-def test_a_source_of_several_groups_in_order_is_refused(no_leftovers):
-    kind = EnvSourceKind("test_in_order", lambda r: [InOrderSignSource(2, r.group_size, 0)],
-                         SIGN.env_spec, check_sign_env)
-    registry.register(kind)
-    try:
-        config = sebulba.Config(env="sign", vectorization="test_in_order", envs_per_group=4)
-        loop = sebulba.Sebulba(SPG(config.env_spec(), SPGConfig(hidden_sizes=(8,))), config)
-        with pytest.raises(ValueError, match="holds one group"):
-            loop.run(1_000)
-    finally:
-        registry.unregister(kind.name)
-
-
 @pytest.mark.timeout(60)
 def test_the_shipped_kinds_say_what_they_support():
-    assert registry.names()[:5] == ("sync", "async", "vector_entry_point", "envpool",
-                                    "pettingzoo")
+    assert registry.names()[:6] == ("sync", "async", "vector_entry_point", "envpool",
+                                    "envpool_async", "pettingzoo")
     each_env = [k for k in registry.names() if registry.get(k).wraps_each_env]
     assert each_env == ["sync", "async"]
-    assert not registry.get("envpool").steps_in_order
+    assert [k for k in registry.names()[:6] if not registry.get(k).steps_in_order] == [
+        "envpool_async"]
     assert registry.get("pettingzoo").multi_agent
     # every shipped kind is evaluated by one of its own process (async: by sync)
-    assert {k: registry.get(k).evaluate_as for k in registry.names()[:5]} == {
+    assert {k: registry.get(k).evaluate_as for k in registry.names()[:6]} == {
         "sync": "sync", "async": "sync", "vector_entry_point": "vector_entry_point",
-        "envpool": "envpool", "pettingzoo": "pettingzoo"}
+        "envpool": "envpool", "envpool_async": "envpool", "pettingzoo": "pettingzoo"}
     assert sebulba.Config(vectorization="async").action_poll_seconds == 0.0
     assert sebulba.Config(vectorization="sync").action_poll_seconds > 0.0

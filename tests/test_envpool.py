@@ -91,14 +91,18 @@ class TaggingAgent(sebulba.Agent):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("async_factor,learner_devices", [(2, [0]), (2, [1, 2]), (1, [1, 2])])
-def test_each_env_fills_its_own_row_in_order(async_factor, learner_devices, no_leftovers):
-    # async_factor 2: recv batches mix the two groups' envs and the thread pipelines one
-    # batch's inference with the other's env steps; 1: one group, no pipelining.
-    config = sebulba.Config(env="CartPole-v1", env_kwargs=KWARGS, vectorization="envpool",
+@pytest.mark.parametrize("vectorization,async_factor,learner_devices", [
+    ("envpool", 2, [0]), ("envpool", 2, [1, 2]), ("envpool", 1, [1, 2]),
+    ("envpool_async", 2, [0]), ("envpool_async", 2, [1, 2])])
+def test_each_env_fills_its_own_row_in_order(vectorization, async_factor, learner_devices,
+                                             no_leftovers):
+    # async_factor 2: the thread pipelines one group's inference with the other's env
+    # steps ("envpool_async": recv batches may mix the two groups' envs); 1: one group,
+    # no pipelining.
+    config = sebulba.Config(env="CartPole-v1", env_kwargs=KWARGS, vectorization=vectorization,
                             envs_per_group=E, steps_per_cycle=T, async_factor=async_factor,
                             inference_devices=[0, 3], learner_devices=learner_devices)
-    agent = TaggingAgent(sebulba.env_spec("CartPole-v1", KWARGS, "envpool"))
+    agent = TaggingAgent(sebulba.env_spec("CartPole-v1", KWARGS, vectorization))
     result = sebulba.Sebulba(agent, config).run(4 * E * T * 12)
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
     log = jax.tree.map(np.asarray, result.learner_experience)
@@ -134,6 +138,42 @@ def test_bad_envpool_input_is_refused_by_name():
         sebulba.env_spec("CartPol-v1", vectorization="envpool")
     with pytest.raises(ValueError, match="desync_episodes"):
         sebulba.Config(env="CartPole-v1", vectorization="envpool", desync_episodes=True)
+    # Lockstep needs envs stepped in order: a pool per group does, one pool by id not.
+    sebulba.Config(env="CartPole-v1", vectorization="envpool", lockstep=True, async_factor=1)
+    with pytest.raises(ValueError, match="'envpool_async' returns whichever envs are ready"):
+        sebulba.Config(env="CartPole-v1", vectorization="envpool_async", lockstep=True,
+                       async_factor=1)
+
+
+@pytest.mark.timeout(60)
+def test_envpool_groups_take_turns_each_whole_and_in_order(no_leftovers):
+    """Pong's steps take uneven times (a frame skip of 4, resets that run the noop
+    starts), so a pool of several groups returns whichever envs finish first; a pool per
+    group returns its envs in the order they were sent, the groups in turn."""
+    from sebulba.envs.envpool_source import EnvPoolGroups
+
+    source = EnvPoolGroups("Pong-v5", num_groups=3, group_size=4, seed=0,
+                           env_kwargs={"max_episode_steps": 30})
+    try:
+        source.reset(seed=0)
+        rng = np.random.default_rng(0)
+        ended, sent = [], None
+        for i in range(120):
+            ids, env_step, steps = source.recv()
+            np.testing.assert_array_equal(ids, (i % 3) * 4 + np.arange(4))
+            assert steps == (0 if i < 3 else 4)  # the first recv of each group: resets
+            assert env_step.obs.shape == (4, 4, 84, 84)
+            ended += source.pop_episodes()
+            # Pipelined, as the acting loop does it: the group before is sent its actions
+            # after this one is received.
+            if sent is not None:
+                source.send(rng.integers(0, 6, 4), sent)
+            sent = ids
+        # Each env stepped 38 or 39 times: one episode of 30 steps (or a point scored
+        # before) at least.
+        assert len(ended) >= 12 and all(0 < length <= 30 for _, length in ended), ended
+    finally:
+        source.close()
 
 
 @pytest.mark.timeout(300)
@@ -168,16 +208,16 @@ def test_ppo_learns_cartpole_on_envpool(no_leftovers):
 def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
     """The source calls EnvPool's C++ recv/send below its Python wrapper where the layout
     is simple; both paths must give the same steps for the same seeds and actions."""
-    from sebulba.envs.envpool_source import EnvPoolSource
+    from sebulba.envs.envpool_source import EnvPoolGroups
 
     # One group: recv returns every env, so the order of batches cannot depend on
     # thread timing and both runs see the same steps.
-    direct = EnvPoolSource(task_id, num_groups=1, group_size=3, seed=3,
+    direct = EnvPoolGroups(task_id, num_groups=1, group_size=3, seed=3,
                            env_kwargs={"max_episode_steps": 12})
-    wrapped = EnvPoolSource(task_id, num_groups=1, group_size=3, seed=3,
+    wrapped = EnvPoolGroups(task_id, num_groups=1, group_size=3, seed=3,
                             env_kwargs={"max_episode_steps": 12})
-    assert direct._raw is not None
-    wrapped._raw = None
+    assert direct.pools[0]._raw is not None
+    wrapped.pools[0]._raw = None
     try:
         seen = {}
         for source in (direct, wrapped):
@@ -189,7 +229,7 @@ def test_direct_calls_give_what_envpools_wrapper_gives(task_id):
                 steps.append((ids[order], jax.tree.map(lambda x, o=order: x[o], env_step)))
                 ended_all += source.pop_episodes()
                 actions = np.random.default_rng(i).integers(
-                    0, source.pool.action_space.n, len(ids))
+                    0, source.pools[0].action_space.n, len(ids))
                 source.send(actions[order.argsort()], ids)
             seen[source is direct] = (steps, ended_all)
         (a, ended_a), (b, ended_b) = seen[True], seen[False]
@@ -260,42 +300,23 @@ class ByEnvPolicy(sebulba.Agent):
         return nets, opt
 
 
-class _Shuffled:
-    """An EnvPool whose recv returns its envs in a random order (as a pool may: whichever
-    finished first), through EnvPool's Python recv."""
-
-    def __init__(self, pool):
-        self._pool, self._rng = pool, np.random.default_rng(0)
-
-    def recv(self):
-        obs, reward, terminated, truncated, info = self._pool.recv()
-        p = self._rng.permutation(len(reward))
-        return obs[p], reward[p], terminated[p], truncated[p], {
-            "env_id": np.asarray(info["env_id"])[p]}
-
-    def __getattr__(self, name):
-        return getattr(self._pool, name)
-
-
 @pytest.mark.timeout(120)
 def test_a_policy_trained_on_envpool_is_evaluated_on_envpool():
     from sebulba.envs import registry
     from sebulba.evaluation import evaluate, evaluation_vectorization
 
     assert evaluation_vectorization("envpool") == "envpool"  # its spaces, its env ids
+    assert evaluation_vectorization("envpool_async") == "envpool"
     num_envs, per_env = 6, 3
     results = {}
     for vectorization in ("envpool", "sync"):
         agent = ByEnvPolicy(sebulba.env_spec("CartPole-v1", KWARGS, vectorization))
         kind = registry.get(vectorization)
-        seen = []  # the order of each recv's ids, to show EnvPool's are reordered
+        seen = []  # the order of each recv's ids
         make_sources = kind.make_sources
 
-        def recording(request, make_sources=make_sources, seen=seen,
-                      shuffle=vectorization == "envpool"):
+        def recording(request, make_sources=make_sources, seen=seen):
             sources = make_sources(request)
-            if shuffle:  # EnvPool may return its envs in any order
-                sources[0].pool, sources[0]._raw = _Shuffled(sources[0].pool), None
             recv = sources[0].recv
 
             def recv_and_record():
@@ -312,9 +333,7 @@ def test_a_policy_trained_on_envpool_is_evaluated_on_envpool():
                               seed=3, env_kwargs=KWARGS, vectorization=vectorization)
         finally:
             object.__setattr__(kind, "make_sources", make_sources)
-        assert all(sorted(ids) == list(range(num_envs)) for ids in seen)
-        if vectorization == "envpool":
-            assert sum(list(ids) != sorted(ids) for ids in seen) > len(seen) // 2
+        assert all(ids == tuple(range(num_envs)) for ids in seen)  # every env, in order
         # Env by env, `per_env` complete episodes each; CartPole pays 1 a step.
         assert len(result.returns) == num_envs * per_env
         assert result.returns == [float(n) for n in result.lengths]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
+from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces, close_all
 from sebulba.envs.output_checks import BatchCheck
 from sebulba.types import EnvSpec, EnvStep
 
@@ -91,21 +91,139 @@ def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,
                                batch_size=batch_size, seed=seed, **dict(env_kwargs or {}))
 
 
-class EnvPoolSource:
-    """`num_groups` groups of `group_size` envs in one asynchronous EnvPool."""
+class _Pool:
+    """One EnvPool and the two calls a source makes on it, below EnvPool's Python wrapper
+    where its layout allows (`_raw_layout`)."""
 
-    in_order = False  # recv returns whichever envs are ready
+    def __init__(self, task_id: str, num_envs: int, batch_size: int, seed: int,
+                 env_kwargs: Mapping[str, Any] | None):
+        self.pool = make_pool(task_id, num_envs, batch_size, seed, env_kwargs)
+        self.observation_space = self.pool.observation_space
+        self.action_space = self.pool.action_space
+        self._action_dtype = self.pool.action_space.dtype
+        self._to_env = action_to_env(self.pool.action_space)
+        self._raw = _raw_layout(self.pool)
+
+    def recv(self) -> tuple[np.ndarray, Any, Any, Any, Any]:
+        """(env ids, obs, reward, terminated, truncated) of the next batch."""
+        if self._raw is None:
+            obs, reward, terminated, truncated, info = self.pool.recv()
+            return info["env_id"], obs, reward, terminated, truncated
+        state = self.pool._recv()
+        ids, obs, reward, done, truncated = (state[i] for i in self._raw)
+        return ids, obs, reward, done & ~truncated, truncated  # done: either of them
+
+    def send(self, actions: np.ndarray, ids32: np.ndarray) -> None:
+        actions = np.asarray(self._to_env(actions), self._action_dtype)
+        if self._raw is None:
+            self.pool.send(actions, ids32)
+        else:
+            self.pool._send([ids32, ids32, actions])  # env_id, players.env_id, action
+
+    def render(self) -> np.ndarray:
+        return np.asarray(self.pool.render()[0])
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class EnvPoolGroups:
+    """`num_groups` groups of `group_size` envs, one synchronous EnvPool per group, in
+    order (vectorization "envpool").
+
+    A pool whose batch is all its envs returns them in the order they were sent, so
+    each group steps as a vector env does: `recv` returns a whole group, in id order,
+    the groups taking turns (0, 1, ..., 0, ...), and `send` takes them in the same turns;
+    it returns at once, the group's envs stepping in the pool's C++ threads while the
+    thread acts for the other groups.
+    Group g's env i is seeded `seed + g * group_size + i`.
+    """
+
+    in_order = True
 
     def __init__(self, task_id: str, num_groups: int, group_size: int, seed: int,
                  env_kwargs: Mapping[str, Any] | None = None, check_output: bool = False):
         self.num_groups, self.group_size = num_groups, group_size
         self.num_envs = num_groups * group_size
-        self.pool = make_pool(task_id, self.num_envs, group_size, seed, env_kwargs)
+        self._render_mode = (env_kwargs or {}).get("render_mode")
+        self.pools: list[_Pool] = []
+        try:
+            for g in range(num_groups):
+                self.pools.append(_Pool(task_id, group_size, group_size,
+                                        seed + g * group_size, env_kwargs))
+        except BaseException:
+            self.close()
+            raise
+        space = self.pools[0].observation_space
+        self._trackers = [EpisodeTracker(group_size, space) for _ in range(num_groups)]
+        # The pools' C++ envs emit arrays of their spec's shapes and types: only NaN and
+        # infinite values are left to check.
+        self._checks = [BatchCheck(repr(task_id), space, group_size,
+                                   lambda i, g=g: self._place(g * group_size + i))
+                        for g in range(num_groups)] if check_output else None
+        self._ids = [np.arange(g * group_size, (g + 1) * group_size)
+                     for g in range(num_groups)]
+        self._order = np.arange(group_size, dtype=np.int32)  # a pool's own env ids
+        # The groups take turns, in recv and in send alike; a loop may receive the next
+        # group before it sends the one before (pipelining).
+        self._recv_turn = self._send_turn = self._received = 0
+        self._ended: list[tuple[float, int]] = []
+
+    def _place(self, env: int) -> str:
+        """Env `env` of the source, named for an error message."""
+        return (f"env {env % self.group_size} of the {self.group_size} in group "
+                f"{env // self.group_size}'s EnvPool")
+
+    def reset(self, seed: int) -> None:
+        del seed  # each pool was seeded when made
+        for pool, tracker in zip(self.pools, self._trackers, strict=True):
+            pool.pool.async_reset()
+            tracker.restart()
+        self._recv_turn = self._send_turn = self._received = 0
+
+    def recv(self) -> tuple[np.ndarray, EnvStep, int]:
+        g = self._received = self._recv_turn
+        self._recv_turn = g + 1 if g + 1 < self.num_groups else 0
+        _, obs, reward, terminated, truncated = self.pools[g].recv()
+        env_step, steps = self._trackers[g].observe_all(obs, reward, terminated, truncated)
+        if self._checks is not None:
+            self._checks[g](env_step)
+        return self._ids[g], env_step, steps
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """The episodes that ended in the group recv returned last (each group's are
+        popped after its own recv)."""
+        return self._trackers[self._received].pop_episodes()
+
+    def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
+        g = self._send_turn
+        self._send_turn = g + 1 if g + 1 < self.num_groups else 0
+        self.pools[g].send(actions, self._order)
+        self._trackers[g].sent(self._order)
+
+    def render(self) -> np.ndarray | None:
+        """Group 0's env 0's frame (pools made with render_mode="rgb_array"), else None."""
+        return self.pools[0].render() if self._render_mode == "rgb_array" else None
+
+    def close(self) -> None:
+        close_all(self.pools)
+
+
+class EnvPoolSource:
+    """`num_groups` groups of `group_size` envs in one asynchronous EnvPool, by env id
+    (vectorization "envpool_async"): `recv` returns whichever `group_size` envs finished
+    first, from any group, and the thread assembles each group's cycles by env id."""
+
+    in_order = False
+
+    def __init__(self, task_id: str, num_groups: int, group_size: int, seed: int,
+                 env_kwargs: Mapping[str, Any] | None = None, check_output: bool = False):
+        self.num_groups, self.group_size = num_groups, group_size
+        self.num_envs = num_groups * group_size
+        self._pool = _Pool(task_id, self.num_envs, group_size, seed, env_kwargs)
+        self.pool = self._pool.pool
         self._render_mode = (env_kwargs or {}).get("render_mode")
         self._tracker = EpisodeTracker(self.num_envs, self.pool.observation_space)
-        self._action_dtype = self.pool.action_space.dtype
-        self._to_env = action_to_env(self.pool.action_space)
-        self._raw = _raw_layout(self.pool)
         # The pool's C++ envs emit arrays of their spec's shapes and types: only NaN and
         # infinite values are left to check.
         self._check = BatchCheck(repr(task_id), self.pool.observation_space, self.num_envs,
@@ -122,13 +240,7 @@ class EnvPoolSource:
         self._tracker.restart()
 
     def recv(self) -> tuple[np.ndarray, EnvStep, int]:
-        if self._raw is None:
-            obs, reward, terminated, truncated, info = self.pool.recv()
-            ids = info["env_id"]
-        else:
-            state = self.pool._recv()
-            ids, obs, reward, done, truncated = (state[i] for i in self._raw)
-            terminated = done & ~truncated  # EnvPool's done is terminated or truncated
+        ids, obs, reward, terminated, truncated = self._pool.recv()
         ids = np.asarray(ids, np.int64)
         env_step, steps = self._tracker.observe(ids, obs, reward, terminated, truncated)
         if self._check is not None:
@@ -140,21 +252,14 @@ class EnvPoolSource:
 
     def render(self) -> np.ndarray | None:
         """Env 0's frame (a pool made with render_mode="rgb_array"), else None."""
-        if self._render_mode != "rgb_array":
-            return None
-        return np.asarray(self.pool.render()[0])
+        return self._pool.render() if self._render_mode == "rgb_array" else None
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        actions = np.asarray(self._to_env(actions), self._action_dtype)
-        ids32 = ids.astype(np.int32)
-        if self._raw is None:
-            self.pool.send(actions, ids32)
-        else:
-            self.pool._send([ids32, ids32, actions])  # env_id, players.env_id, action
+        self._pool.send(actions, ids.astype(np.int32))
         self._tracker.sent(ids)
 
     def close(self) -> None:
-        self.pool.close()
+        self._pool.close()
 
 
 _RAW_STATE = ("info:env_id", "obs", "reward", "done", "trunc")

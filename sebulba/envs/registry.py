@@ -234,13 +234,22 @@ register(EnvSourceKind(
     help="the id's own vectorized implementation (ale-py's Atari vector env)"))
 register(EnvSourceKind(
     "envpool",
+    lambda r: [envpool_source.EnvPoolGroups(r.env, r.num_groups, r.group_size, r.seed,
+                                            r.env_kwargs, r.check_env_output)],
+    lambda r: envpool_source.pool_spec(r.env, r.env_kwargs),
+    envpool_source.check_env,
+    needs_env_id=True, evaluate_as="envpool",
+    help="an EnvPool task id: a pool per env group, stepped in C++ threads; one thread "
+         "per inference device acts for its groups in turn"))
+register(EnvSourceKind(
+    "envpool_async",
     lambda r: [envpool_source.EnvPoolSource(r.env, r.num_groups, r.group_size, r.seed,
                                             r.env_kwargs, r.check_env_output)],
     lambda r: envpool_source.pool_spec(r.env, r.env_kwargs),
     envpool_source.check_env,
     needs_env_id=True, steps_in_order=False, evaluate_as="envpool",
     help="an EnvPool task id: one pool of async_factor groups per inference device, "
-         "stepped in C++ threads, recv returning whichever envs are ready"))
+         "recv returning whichever envs are ready (envs whose step times vary)"))
 register(EnvSourceKind(
     "pettingzoo", _pettingzoo_sources,
     lambda r: pettingzoo_source.parallel_env_spec(r.env, r.env_kwargs, r.agent_ids),

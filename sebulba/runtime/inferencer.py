@@ -1,27 +1,29 @@
 """Inferencer threads: each drives one env source on one inference device.
 
 An env source holds `num_groups` env groups of E envs. A gymnasium vector env is one
-group, and `async_factor` such threads per device alternate on the GIL; an EnvPool source
-holds `async_factor` groups in one pool whose `recv` returns whichever E envs finished
-(the recv/send alternation of `async_factor` groups in one thread). The same loop drives
-both:
+group, and `async_factor` such threads per device alternate on the GIL; EnvPool's source
+holds a device's `async_factor` groups, which one thread drives in turn while the others'
+envs step in C++ threads. A source whose envs step in order (both of those) returns a
+whole group at each recv, and the thread keeps one cursor and one StepState per group:
 
-    ids, env_step = source.recv()      # E envs of any of the source's groups
-    one compiled, donated call on the device: take the ids' StepState rows, keep a copy
-        of those that start a cycle (a trajectory's initial StepState), agent.step, put
-        the rows back -> actions and extras
+    ids, env_step = source.recv()      # a group's E envs, in id order
+    one compiled, donated call on the device: agent.step -> actions and extras
+    (with several groups: the group before this one is sent its actions here)
+    while the device computes: tally the episodes that ended, record the env step and
+        the previous step's extras into the group's current cycle (host memory, numpy),
+        and push a cycle that ended: (initial, final, trajectory) sharded over the
+        learner devices
     the actions to the host; source.send
-    while the device computes the next call: tally the episodes that ended, record each
-        env's step and the extras into its group's current cycle (host memory, numpy),
-        and for each group whose envs all finished the cycle (T actions, then the
-        bootstrap step) push (initial, final, trajectory) sharded over the learner
-        devices
+
+A source whose recv returns any E of its envs (one asynchronous EnvPool,
+"envpool_async") is driven by id: the acting call gathers and scatters the ids' StepState
+rows and keeps a copy of those that start a cycle (a trajectory's initial StepState); each
+env keeps its own cycle and cursor, so envs of a group need not step together: an env may
+run up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest, and is held back
+there (`_HoldBack`) until that env's cycle is pushed.
 
 Only the action's transfer stands between the acting call and the env step; the rest of
-the host's work overlaps the device's (JAX dispatches asynchronously). Each env keeps its
-own cycle and cursor, so envs of a group need not step together: an EnvPool env may run
-up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest, and is held back there
-(`_HoldBack`) until that env's cycle is pushed. Trajectories are
+the host's work overlaps the device's (JAX dispatches asynchronously). Trajectories are
 built in host memory and go to the learner devices in one transfer per device per cycle;
 the acting call carries only the step's data, not the trajectory (recording on the
 device instead would save the by-id loop at most 5%: benchmarks/RESULTS.md, "The acting
@@ -33,7 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -359,7 +361,14 @@ class EnvGroupRunner:
         self.first_group = first_group
         self.device = device
         self.source = source
-        self.state = acting.new_state(step_state, device, snapshots=not source.in_order)
+        if source.in_order:  # one state per group: its envs act together, all of them
+            size = source.group_size
+            self.group_states = [
+                acting.new_state(sharding.slice_env_axis(step_state, g * size, size), device,
+                                 snapshots=False)
+                for g in range(source.num_groups)]
+        else:  # one state for all: a batch may hold any of the envs
+            self.state = acting.new_state(step_state, device)
         self.seed = seed
         self.acting = acting
         self.staging = staging
@@ -375,6 +384,7 @@ class EnvGroupRunner:
         self._nets = (None, ())  # the staging area's latest networks, and their leaves
         self.copies_early = copies_early_to_host(device)
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
+        self._padded = 0  # a multi-agent source's padding steps, accounted so far
         self.finished = False  # the thread left its loop without an error
 
     @property
@@ -399,7 +409,32 @@ class EnvGroupRunner:
                 self._run_by_id()
 
     def _run_in_order(self) -> None:
-        """A vector env: every env, in id order, every step, so one cursor serves all.
+        """A source whose recv returns a whole group, every env in id order (a vector
+        env, or EnvPool's groups, which take turns): one cursor per group.
+
+        Each group's step comes in two halves (`_group_steps`): up to its acting call and
+        the host work that overlaps it, then the action's fetch and send. With several
+        groups they interleave as a pipelined recv/send loop does: group j is received and
+        its acting call dispatched before group i, the one before it, is sent its
+        actions, so the device computes one group's actions while another's envs step.
+        """
+        self.source.reset(seed=self.seed)
+        clock = StageClock()
+        groups = [self._group_steps(g, clock) for g in range(self.source.num_groups)]
+        if not next(groups[0], False):
+            return
+        i = 0
+        while not self.stop.is_set():
+            j = i + 1 if i + 1 < len(groups) else 0
+            # With one group j is i: its halves simply alternate.
+            if not (next(groups[j], False) and next(groups[i], False)):
+                return
+            i = j
+
+    def _group_steps(self, g: int, clock: StageClock) -> Iterator[bool]:
+        """Group g of an in-order source, half an env step per `next` (True): recv to
+        the acting call's dispatch and the work that overlaps it; the action's fetch and
+        send. Exhausted once a push finds the run stopped.
 
         Between one env step and the next only: recv, dispatch the acting call, fetch the
         action, send. The rest runs while the device computes (JAX dispatches
@@ -409,35 +444,31 @@ class EnvGroupRunner:
         and reused as the next cycle's initial StepState.
         """
         source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
-        device = self.device
-        clock = StageClock()
-        source.reset(seed=self.seed)
-        initial = agent.shard_step_state(self.acting.typed(self.state.step_state),
-                                         self.learner_devices)
+        device, learner_devices = self.device, self.learner_devices
+        step_state = self.group_states[g].step_state
+        initial = agent.shard_step_state(self.acting.typed(step_state), learner_devices)
         record: _Cycle | None = None
         unwritten = None  # (cycle, t, action, output) of the last step, not yet recorded
         t = c = 0  # the cursor in cycle c
         teams = getattr(source, "pop_team_episodes", None)  # a multi-agent source
-        padded = 0
-        while not self.stop.is_set():
+        while True:
             ids, env_step, new_steps = source.recv()
             self.partial_steps += new_steps
             self.accounting.add_env_steps(new_steps)
             if teams is not None:
                 padding = source.padding_steps
-                self.accounting.add_team_episodes(padding - padded, teams())
-                padded = padding
+                self.accounting.add_team_episodes(padding - self._padded, teams())
+                self._padded = padding
             clock.lap("env_step")
             ending = None  # a cycle that ended at this step, pushed once it is recorded
             if t == steps:  # entry T of cycle c: it ends here, and c + 1 starts from here
                 record.write_env_step(None, steps, env_step, None)
-                final = agent.shard_step_state(self.acting.typed(self.state.step_state),
-                                               self.learner_devices)
+                final = agent.shard_step_state(self.acting.typed(step_state), learner_devices)
                 ending, record, t, c = record, None, 0, c + 1
                 if self._push_before_acting():
                     _write_outputs(*unwritten)
                     unwritten = None
-                    if not self._push(0, ending, initial, final, clock):
+                    if not self._push(g, ending, initial, final, clock):
                         return
                     clock.flush_into(self.accounting)
                     initial, ending = final, None
@@ -447,10 +478,9 @@ class EnvGroupRunner:
                         return
                     clock.lap("wait_for_networks")
                 version, nets = self._latest_networks()
-                record = _Cycle(version, env_step, source.num_envs, steps)
-            output, step_state = self.acting.act_all(nets, self.state.step_state,
+                record = _Cycle(version, env_step, source.group_size, steps)
+            output, step_state = self.acting.act_all(nets, step_state,
                                                      transfers.to_device(env_step, device, OBS))
-            self.state = self.state._replace(step_state=step_state)
             if self.copies_early:
                 start_host_copies(output)
             # While the device computes:
@@ -460,10 +490,11 @@ class EnvGroupRunner:
                 _write_outputs(*unwritten)
             clock.lap("record")
             if ending is not None:
-                if not self._push(0, ending, initial, final, clock):
+                if not self._push(g, ending, initial, final, clock):
                     return
                 clock.flush_into(self.accounting)
                 initial = final
+            yield True
             # The one transfer before the env steps.
             action = fetch_polling(output.action, self.action_poll_s)
             clock.lap("inference")
@@ -471,6 +502,7 @@ class EnvGroupRunner:
             clock.lap("env_step")
             unwritten = (record, t, action, output)
             t += 1
+            yield True
 
     def _push_before_acting(self) -> bool:
         """Whether a finished cycle goes on the queue before the next cycle's first acting

@@ -87,7 +87,7 @@ class _ConsumedCut:
     are not learnt from yet; a run resumed from this state acts them again)."""
 
     def __init__(self, initial: PyTree, num_groups: int, rows_per_group: int):
-        self.initial = [_slice_env_axis(initial, g * rows_per_group, rows_per_group)
+        self.initial = [sharding.slice_env_axis(initial, g * rows_per_group, rows_per_group)
                         for g in range(num_groups)]
         self.final: dict[int, PyTree] = {}  # group -> as the learner got it (sharded)
 
@@ -178,7 +178,7 @@ class Sebulba:
             n = self.layout.total_envs
             every = self.agent.new_step_state(nets, step_key, n * self.num_processes)
             state = state._replace(
-                step_state=_slice_env_axis(every, self.process_index * n, n))
+                step_state=sharding.slice_env_axis(every, self.process_index * n, n))
         return state
 
     def run(
@@ -496,11 +496,6 @@ class Sebulba:
                                              self._env_seed(group, learner_updates))
                 for source in kind.make_sources(request):
                     sources.append((group, device, source))  # closed on error
-                    if source.in_order and source.num_groups != 1:
-                        raise ValueError(
-                            f"vectorization {cfg.vectorization!r} made a source of "
-                            f"{source.num_groups} groups whose envs step in order; such a "
-                            "source holds one group (make one source per group)")
                     group += source.num_groups
                 if group != (d + 1) * cfg.async_factor:
                     raise ValueError(
@@ -525,7 +520,7 @@ class Sebulba:
                     first_group=first,
                     device=device,
                     source=source,
-                    step_state=_slice_env_axis(step_state, first * size, source.num_envs),
+                    step_state=sharding.slice_env_axis(step_state, first * size, source.num_envs),
                     seed=self._env_seed(first, learner_updates),
                     acting=self.acting,
                     staging=run.stagings[device],
@@ -619,13 +614,9 @@ def _close_quietly(source: EnvSource) -> None:
         source.close()
 
 
-def _slice_env_axis(tree: PyTree, start: int, size: int) -> PyTree:
-    """Envs [start, start + size) of per-env leaves; 0-d leaves are shared."""
-    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else x[start:start + size], tree)
-
-
 def _concat_env_axis(trees: list[PyTree]) -> PyTree:
-    """Inverse of `_slice_env_axis` over consecutive groups, on the first tree's device."""
+    """Inverse of `sharding.slice_env_axis` over consecutive groups, on the first tree's
+    device."""
     if not trees:
         return None
     device = jax.tree.leaves(trees[0])[0].device

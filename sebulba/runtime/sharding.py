@@ -37,6 +37,11 @@ def local_devices_of(devices: Sequence[jax.Device]) -> list[jax.Device]:
     return [d for d in devices if d.process_index == jax.process_index()]
 
 
+def slice_env_axis(tree: PyTree, start: int, size: int) -> PyTree:
+    """Envs [start, start + size) of per-env leaves; 0-d leaves are shared."""
+    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else x[start:start + size], tree)
+
+
 def assemble(per_device: Sequence[PyTree], devices: Sequence[jax.Device],
              *, stacked: bool = False) -> PyTree:
     """Builds global [num_learners, ...] arrays from one pytree per local learner device.
