@@ -18,7 +18,8 @@ ACT = {"acting: observations to device", "acting: actions to host"}
 LEARN = {"learner: version to device", "learner: metrics to host",
          "cycle: trajectory to learner devices"}
 BY_ID = {"acting: snapshot slots to device", "cycle: snapshot slot to device"}
-EXTRAS = "acting: extras to host"
+EXTRAS = "acting: extras to host"  # by id: each step's, in the actions' batch
+CYCLE_EXTRAS = "cycle: extras to host"  # in order: a cycle's, stacked on the device
 ROLE_CALL = "sebulba.envs.suite.role_call"
 
 
@@ -37,6 +38,7 @@ def _loop(agent_name: str, vectorization: str, env: str = "CartPole-v1",
     ("spg", "sync", "CartPole-v1", {}),
     ("r2d2", "sync", "CartPole-v1", {"replay_capacity": 64, "min_replay_size": 8}),
     ("spg", "envpool", "CartPole-v1", {}),
+    ("spg", "envpool_async", "CartPole-v1", {}),
     ("ppo", "pettingzoo", ROLE_CALL, {}),
     # The same acting and learner paths as above, with other agents' state and extras.
     pytest.param("ppo", "sync", "CartPole-v1", {}, marks=pytest.mark.slow),
@@ -45,7 +47,8 @@ def _loop(agent_name: str, vectorization: str, env: str = "CartPole-v1",
 ])
 def test_each_step_makes_its_own_transfers_and_no_other(
         agent_name, vectorization, env, agent_config, no_leftovers):
-    if vectorization == "envpool":
+    by_id = vectorization == "envpool_async"
+    if vectorization.startswith("envpool"):
         pytest.importorskip("envpool", reason="vectorization 'envpool' needs its extra")
     loop = _loop(agent_name, vectorization, env, **agent_config)
     cfg = loop.config
@@ -55,27 +58,33 @@ def test_each_step_makes_its_own_transfers_and_no_other(
     updates, threads = result.learner_updates, cfg.num_groups
     rows = loop.rows_per_group
     # One acting call per env step of a group (a by-id source's batches are groups too):
-    # its observations in, its actions out; the extras' copy in the same batch.
+    # its observations in, its actions out.
     calls = counts["acting: observations to device"]
     assert abs(calls * rows - result.env_steps) <= threads * rows, (calls, result.env_steps)
     assert 0 <= calls - counts["acting: actions to host"] <= threads
-    output, _ = jax.eval_shape(loop.agent.step, *_step_args(loop))
-    if jax.tree.leaves(output.extras):
-        assert 0 <= counts["acting: actions to host"] - counts[EXTRAS] <= threads
     # Per cycle: the trajectory to the learner devices (the cycles consumed, queued and
     # in the learner's hands); per update: the networks' version in, the metrics out.
     cycles = counts["cycle: trajectory to learner devices"]
+    # The extras: by id, each step's in the actions' batch; in order, a cycle's at once.
+    output, _ = jax.eval_shape(loop.agent.step, *_step_args(loop))
+    if not jax.tree.leaves(output.extras):
+        assert not {EXTRAS, CYCLE_EXTRAS} & set(counts)
+    elif by_id:
+        assert 0 <= counts["acting: actions to host"] - counts[EXTRAS] <= threads
+        assert CYCLE_EXTRAS not in counts
+    else:
+        assert counts[CYCLE_EXTRAS] == cycles and EXTRAS not in counts
     assert updates <= cycles <= updates + cfg.effective_queue_capacity + threads + 1
     assert counts["learner: version to device"] == updates + 1  # and the first publish
     assert counts["learner: metrics to host"] == updates
     # By-id sources keep each cycle's first StepState: one slot per cycle and group.
-    if vectorization != "envpool":
+    if not by_id:
         assert not BY_ID & set(counts)
     else:
         assert counts["cycle: snapshot slot to device"] <= cycles + threads
         assert counts["acting: snapshot slots to device"] <= 2 * (cycles + threads)
-    allowed = ACT | LEARN | (BY_ID if vectorization == "envpool" else set())
-    assert set(counts) - {EXTRAS} <= allowed, set(counts)
+    allowed = ACT | LEARN | (BY_ID if by_id else set())
+    assert set(counts) - {EXTRAS, CYCLE_EXTRAS} <= allowed, set(counts)
     assert updates >= 6
 
 

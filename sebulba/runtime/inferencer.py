@@ -10,9 +10,9 @@ whole group at each recv, and the thread keeps one cursor and one StepState per 
     one compiled, donated call on the device: agent.step -> actions and extras
     (with several groups: the group before this one is sent its actions here)
     while the device computes: tally the episodes that ended, record the env step and
-        the previous step's extras into the group's current cycle (host memory, numpy),
-        and push a cycle that ended: (initial, final, trajectory) sharded over the
-        learner devices
+        the previous step's action into the group's current cycle (host memory, numpy;
+        the extras stay on the device, stacked once the cycle ends), and push a cycle
+        that ended: (initial, final, trajectory) sharded over the learner devices
     the actions to the host; source.send
 
 A source whose recv returns any E of its envs (one asynchronous EnvPool,
@@ -95,6 +95,7 @@ class ActingFunctions:
         self.act_all = jax.jit(self._act_all, donate_argnums=1)
         self.snapshot = jax.jit(self._snapshot, donate_argnums=0)  # once a cycle starts
         self.take = jax.jit(self._take, static_argnums=(2, 3))
+        self.stack_steps = jax.jit(_stack_steps)  # once a cycle ends (in-order sources)
         self.typed = jax.jit(self._typed)
 
     def networks(self, nets) -> tuple[jax.Array, ...]:
@@ -174,6 +175,11 @@ class ActingFunctions:
         return jax.device_put(ActorState(raw, kept), device, may_alias=False)
 
 
+def _stack_steps(steps: list[list[jax.Array]]) -> list[jax.Array]:
+    """T steps' lists of L leaves [E, ...] -> L leaves [E, T, ...]."""
+    return [jnp.stack(leaf, axis=1) for leaf in zip(*steps, strict=True)]
+
+
 class _Cycle:
     """One group's inference cycle being recorded in host memory."""
 
@@ -182,6 +188,9 @@ class _Cycle:
         self.env_steps = jax.tree.map(
             lambda x: np.zeros((num_envs, steps + 1) + x.shape[1:], x.dtype), env_step)
         self.outputs: list[np.ndarray] | None = None  # ActorOutput's leaves, once written
+        # An in-order loop's extras, one list of leaves per step, on the device until the
+        # cycle ends (`ActingFunctions.stack_steps`); a by-id loop writes them in `outputs`.
+        self.device_extras: list[list[jax.Array]] = []
         self.steps = steps
 
     def write_env_step(self, rows: np.ndarray | None, t: np.ndarray | int,
@@ -310,7 +319,7 @@ def copies_early_to_host(device: jax.Device) -> bool:
     return device.platform != "cpu"
 
 
-def start_host_copies(output: ActorOutput) -> None:
+def start_host_copies(output: ActorOutput | jax.Array) -> None:
     for x in jax.tree.leaves(output):
         x.copy_to_host_async()
 
@@ -325,8 +334,10 @@ def _host_output(action: np.ndarray, output: ActorOutput) -> list[np.ndarray]:
 
 
 def _write_outputs(record: _Cycle, t: int, action: np.ndarray, output: ActorOutput) -> None:
-    """Records a step of a vector env (all envs, in order)."""
-    record.write_output(None, t, _host_output(action, output), None)
+    """Records a step of an in-order source's group (all its envs, in order): the action,
+    fetched to send it, and the extras, kept on the device until the cycle ends."""
+    record.write_output(None, t, [action], None)
+    record.device_extras.append(jax.tree.leaves(output.extras))
 
 
 class EnvGroupRunner:
@@ -438,8 +449,9 @@ class EnvGroupRunner:
 
         Between one env step and the next only: recv, dispatch the acting call, fetch the
         action, send. The rest runs while the device computes (JAX dispatches
-        asynchronously): writing the env step into the cycle's host buffers, fetching and
-        writing the previous step's extras (ready by then), and pushing a finished cycle.
+        asynchronously): writing the env step and the previous step's action into the
+        cycle's host buffers, and pushing a finished cycle. The extras stay on the device
+        until their cycle ends, then come to the host stacked, in one transfer.
         A cycle's final StepState is the one its bootstrap step starts from, sharded once
         and reused as the next cycle's initial StepState.
         """
@@ -482,7 +494,7 @@ class EnvGroupRunner:
             output, step_state = self.acting.act_all(nets, step_state,
                                                      transfers.to_device(env_step, device, OBS))
             if self.copies_early:
-                start_host_copies(output)
+                start_host_copies(output.action)  # the extras stay until the cycle ends
             # While the device computes:
             self.accounting.add_episodes(source.pop_episodes())
             record.write_env_step(None, t, env_step, None)
@@ -690,6 +702,10 @@ class EnvGroupRunner:
     def _push(self, g: int, record: _Cycle, initial: StepState, final: StepState,
               clock: StageClock) -> bool:
         """Puts group g's recorded cycle on the queue; False if the run stopped first."""
+        if record.device_extras and record.device_extras[0]:  # an in-order loop's
+            stacked = self.acting.stack_steps(record.device_extras)  # one call, [E, T, ...]
+            record.outputs += transfers.to_host_all(stacked, "cycle: extras to host")
+            record.device_extras = []
         transfers.count("cycle: trajectory to learner devices")
         trajectory = sharding.shard_host_env_axis(record.trajectory(self.acting.output_def),
                                                   self.learner_devices)
