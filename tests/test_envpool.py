@@ -146,6 +146,24 @@ def test_bad_envpool_input_is_refused_by_name():
 
 
 @pytest.mark.timeout(60)
+def test_envpool_groups_share_the_cores_unless_told_otherwise():
+    """A pool per group: together they get a thread per core, as one pool of all the
+    groups would by EnvPool's default; `num_threads` in env_kwargs is the user's."""
+    import os
+
+    from sebulba.envs.envpool_source import EnvPoolGroups
+
+    cores = len(os.sched_getaffinity(0))
+    for kwargs, threads in [({}, max(1, min(4, cores // 2))), ({"num_threads": 3}, 3)]:
+        source = EnvPoolGroups("CartPole-v1", num_groups=2, group_size=4, seed=0,
+                               env_kwargs=kwargs)
+        try:
+            assert [p.pool.config["num_threads"] for p in source.pools] == [threads] * 2
+        finally:
+            source.close()
+
+
+@pytest.mark.timeout(60)
 def test_envpool_groups_take_turns_each_whole_and_in_order(no_leftovers):
     """Pong's steps take uneven times (a frame skip of 4, resets that run the noop
     starts), so a pool of several groups returns whichever envs finish first; a pool per

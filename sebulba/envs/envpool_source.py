@@ -91,6 +91,14 @@ def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,
                                batch_size=batch_size, seed=seed, **dict(env_kwargs or {}))
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class _Pool:
     """One EnvPool and the two calls a source makes on it, below EnvPool's Python wrapper
     where its layout allows (`_raw_layout`)."""
@@ -146,11 +154,17 @@ class EnvPoolGroups:
         self.num_groups, self.group_size = num_groups, group_size
         self.num_envs = num_groups * group_size
         self._render_mode = (env_kwargs or {}).get("render_mode")
+        # The pools share the cores as one pool of all the groups would: EnvPool's own
+        # default gives each pool a thread per core, and on a CPU whose cores also run
+        # the acting calls the surplus threads only preempt them (about 8% more steps/s
+        # with one thread per pool, CartPole on 2 cores). `env_kwargs` may set it.
+        threads = max(1, min(group_size, _cores() // num_groups))
+        kwargs = {"num_threads": threads, **dict(env_kwargs or {})}
         self.pools: list[_Pool] = []
         try:
             for g in range(num_groups):
                 self.pools.append(_Pool(task_id, group_size, group_size,
-                                        seed + g * group_size, env_kwargs))
+                                        seed + g * group_size, kwargs))
         except BaseException:
             self.close()
             raise

@@ -2,8 +2,9 @@
 
 On an accelerator each transfer is a round trip of tens of microseconds or more, so the
 hot paths make only the ones they need: per acting call, the observations to the
-device and the actions (with the extras, whose copies start at once) to the host; per
-inference cycle, the trajectory to the learner devices; per learner update, nothing but
+device and the actions (whose copy starts at once) to the host; per inference cycle, the
+extras to the host, stacked on the device (a by-id source's come with each step's
+actions), and the trajectory to the learner devices; per learner update, nothing but
 the metrics of the update before. They go through `to_device` and `to_host`, which
 count them by place (`counting`) so a test can assert the number per step.
 
