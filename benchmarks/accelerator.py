@@ -6,9 +6,9 @@ run is shortened to end within it.
 
 Stages (`--stages` picks some):
 
-- acting_latency: one acting call as the EnvPool loop makes it (`ActingFunctions.act`
-  for one group's envs of a pool of async_factor groups, the observations copied from
-  the host, the action fetched back as the loop fetches it), median and p90 over many
+- acting_latency: one acting call as the EnvPool loop makes it (`ActingFunctions.act_all`
+  for one group's envs, alternating between async_factor groups, the observations copied
+  from the host, the action fetched back as the loop fetches it), median and p90 over many
   calls after a warm-up, for each of `--envs_per_call`; PPO's MLP (CartPole-v1) and its
   Nature CNN (EnvPool Breakout-v5 frames, 4 x 84 x 84 uint8).
 - acting_only: the 5x200 SPG acting benchmark (`benchmarks/acting_spg.py`: CartPole-v1,
@@ -189,10 +189,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: float,
                         seed: int) -> dict[str, Any]:
-    """Per-call seconds of the loop's by-id acting call for `num_envs` envs, each call's
-    ids alternating between `num_groups` groups of a pool, as EnvPool returns them: the
-    host's observations and ids copied in, the action fetched back (after starting every
-    output's copy, as the loop does on an accelerator)."""
+    """Per-call seconds of the loop's acting call for one group of `num_envs` envs, the
+    calls alternating between `num_groups` groups (each its own StepState), as the loop
+    drives EnvPool's groups in turn: the host's observations copied in, the action
+    fetched back (after starting its copy, as the loop does on an accelerator)."""
     import jax
     import numpy as np
 
@@ -208,12 +208,10 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     device = jax.local_devices()[0]
     acting = ActingFunctions(agent, steps_per_cycle=1)
     leaves = acting.networks(jax.device_put(nets, device))
-    state = acting.new_state(
-        agent.new_step_state(nets, jax.random.key(seed), num_envs * num_groups), device,
-        snapshots=False)
-    step_state = state.step_state
-    ids = [np.arange(g * num_envs, (g + 1) * num_envs, dtype=np.int32)
-           for g in range(num_groups)]
+    step_states = [
+        acting.new_state(agent.new_step_state(nets, jax.random.key(seed + g), num_envs),
+                         device, snapshots=False).step_state
+        for g in range(num_groups)]
     rng = np.random.default_rng(seed)
     template = example_env_step(agent.env_spec, num_envs)
     obs = template.obs
@@ -223,11 +221,11 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     copies_early = copies_early_to_host(device)
 
     def call(i: int) -> float:
-        nonlocal step_state
+        g = i % num_groups
         t0 = time.perf_counter()
-        output, step_state = acting.act(leaves, step_state, ids[i % num_groups], env_step)
+        output, step_states[g] = acting.act_all(leaves, step_states[g], env_step)
         if copies_early:
-            start_host_copies(output)
+            start_host_copies(output.action)
         fetch_polling(output.action, DEFAULT_ACTION_POLL_S)
         return time.perf_counter() - t0
 
@@ -427,7 +425,7 @@ def _verdict(passed: bool, on_accelerator: bool) -> str:
 
 
 def _latency_rows(rec: dict[str, Any], on_accelerator: bool) -> list[str]:
-    rows = ["acting call latency (one group's envs of a pool of "
+    rows = ["acting call latency (one group's envs, groups in turn: "
             f"{rec['num_groups']}; host -> device -> action on host)",
             f"  {'network':<11} {'envs':>5} {'median us':>10} {'p90 us':>10} "
             f"{'env steps/s':>12}  target"]

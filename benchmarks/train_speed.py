@@ -31,7 +31,8 @@ trajectory, no acting), and each train record gets `ratio_to_bound`: consumed st
 over the slower of the two.
 
 "pong_envpool" is EnvPool's `Pong-v5` (extra `envpool`): the same 84 x 84 stacks of 4,
-one pool of async_factor groups per inference device driven by one thread.
+a pool per group, the async_factor groups of an inference device driven in turn by one
+thread (vectorization "envpool").
 """
 
 from __future__ import annotations
