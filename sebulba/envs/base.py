@@ -18,9 +18,13 @@ class EnvSource(Protocol):
 
     The thread calls `reset(seed)` once, then alternates `recv()` and `send(actions,
     ids)`: `recv` returns the ids of the envs whose step finished (any `group_size` of
-    them, from any group; every env in id order when `in_order`), their `EnvStep` rows
-    and the env steps those rows complete; `send` hands those envs their actions. Env `i`
-    belongs to group `i // group_size`; a source whose envs step in order holds one group.
+    them, from any group), their `EnvStep` rows and the env steps those rows complete;
+    `send` hands those envs their actions. Env `i` belongs to group `i // group_size`.
+    When `in_order`, `recv` returns a whole group in id order, the groups in turn (0, 1,
+    ..., 0, ...), and `send` takes them in the same turns; with several groups the thread
+    receives the next group before it sends the one before (it pipelines them), so such
+    a source's envs must step while the thread acts (EnvPool's do, in C++ threads), and
+    `pop_episodes` is asked after each recv for the episodes of the group received.
     Episodes end with gymnasium's NEXT_STEP autoreset:
     the row after a last one is its env's reset (`first`, reward 0), whose action the env
     ignores. `EpisodeTracker` builds such rows from an env's own outputs.
@@ -34,7 +38,7 @@ class EnvSource(Protocol):
     num_envs: int
     num_groups: int
     group_size: int
-    in_order: bool  # recv always returns every env, in id order (a vector env)
+    in_order: bool  # recv returns a whole group, in id order, the groups in turn
 
     def reset(self, seed: int) -> None: ...
     def recv(self) -> tuple[np.ndarray, EnvStep, int]: ...  # ids, their rows, env steps
