@@ -147,16 +147,20 @@ def test_bad_envpool_input_is_refused_by_name():
 
 @pytest.mark.timeout(60)
 def test_envpool_groups_share_the_cores_unless_told_otherwise():
-    """A pool per group: together they get a thread per core, as one pool of all the
-    groups would by EnvPool's default; `num_threads` in env_kwargs is the user's."""
+    """A pool per group: where the acting calls run on the CPU they get a thread per
+    core together, as one pool of all the groups would by EnvPool's default; on an
+    accelerator each may use every core (one steps at a time); `num_threads` in
+    env_kwargs is the user's."""
     import os
 
     from sebulba.envs.envpool_source import EnvPoolGroups
 
     cores = len(os.sched_getaffinity(0))
-    for kwargs, threads in [({}, max(1, min(4, cores // 2))), ({"num_threads": 3}, 3)]:
+    for kwargs, share, threads in [({}, True, max(1, min(4, cores // 2))),
+                                   ({}, False, min(4, cores)),
+                                   ({"num_threads": 3}, True, 3)]:
         source = EnvPoolGroups("CartPole-v1", num_groups=2, group_size=4, seed=0,
-                               env_kwargs=kwargs)
+                               env_kwargs=kwargs, share_cores=share)
         try:
             assert [p.pool.config["num_threads"] for p in source.pools] == [threads] * 2
         finally:

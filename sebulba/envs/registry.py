@@ -36,6 +36,8 @@ class SourceRequest:
       desync_episodes: cut each env's first episode at a random length.
       agent_ids: multi-agent sources: append the agent's one-hot to its observation.
       check_env_output: check what the envs return (`Config.check_env_output`).
+      inference_on_cpu: the acting calls run on the CPU, on the cores the envs step on
+        (EnvPool's pools then share the cores rather than take a thread each per core).
     """
 
     env: Any
@@ -48,6 +50,7 @@ class SourceRequest:
     desync_episodes: bool = False
     agent_ids: bool = False
     check_env_output: bool = True
+    inference_on_cpu: bool = True
 
 
 SpecFactory = Callable[[SourceRequest], EnvSpec]
@@ -235,7 +238,8 @@ register(EnvSourceKind(
 register(EnvSourceKind(
     "envpool",
     lambda r: [envpool_source.EnvPoolGroups(r.env, r.num_groups, r.group_size, r.seed,
-                                            r.env_kwargs, r.check_env_output)],
+                                            r.env_kwargs, r.check_env_output,
+                                            share_cores=r.inference_on_cpu)],
     lambda r: envpool_source.pool_spec(r.env, r.env_kwargs),
     envpool_source.check_env,
     needs_env_id=True, evaluate_as="envpool",

@@ -492,8 +492,10 @@ class Sebulba:
         try:
             for d, device in enumerate(self.inference_devices):
                 group = d * cfg.async_factor
-                request = cfg.source_request(cfg.async_factor,
-                                             self._env_seed(group, learner_updates))
+                request = dataclasses.replace(
+                    cfg.source_request(cfg.async_factor,
+                                       self._env_seed(group, learner_updates)),
+                    inference_on_cpu=device.platform == "cpu")
                 for source in kind.make_sources(request):
                     sources.append((group, device, source))  # closed on error
                     group += source.num_groups
