@@ -1,11 +1,14 @@
-"""EnvPool task ids as an env source (`vectorization="envpool"`, extra `envpool`).
+"""EnvPool task ids as env sources (extra `envpool`); envs step in EnvPool's C++ threads,
+outside the GIL, and one inferencer thread per inference device drives its groups.
 
-One pool of `num_groups x group_size` envs with `batch_size=group_size` steps in EnvPool's
-C++ threads, outside the GIL. `recv` returns whichever `group_size` envs finished first,
-from any group, with their `env_id`; `send` hands their actions back. One inferencer
-thread per inference device drives the pool, running inference for one batch while the
-others step (the recv/send alternation of `async_factor` groups in one thread), and
-assembles each group's trajectory by env id.
+- `EnvPoolGroups` (`vectorization="envpool"`): a synchronous pool per group (its batch all
+  its envs), which EnvPool returns in the order they were sent. The groups take turns,
+  each a whole batch in id order, so the thread acts on a group as on a vector env and
+  pipelines them: one group's inference runs while another's envs step.
+- `EnvPoolSource` (`vectorization="envpool_async"`): one pool of `num_groups x
+  group_size` envs with `batch_size=group_size`, whose `recv` returns whichever
+  `group_size` envs finished first, from any group, with their `env_id`; the thread
+  assembles each group's trajectory by env id. No group waits for its slowest env.
 
 EnvPool's semantics, as sebulba needs them: gymnasium's (obs, reward, terminated,
 truncated, info); after a step that ends an episode, the next `send` for that env is
