@@ -83,7 +83,7 @@ def measure_bounds(args: argparse.Namespace, loop) -> dict[str, float]:
 
     cfg = loop.config
     vector_steps = 200
-    if cfg.vectorization == "envpool":
+    if cfg.vectorization in ("envpool", "envpool_async"):
         env_sps = envpool_only(cfg.env, cfg.envs_per_group, cfg.async_factor,
                                vector_steps * cfg.async_factor, args.seed)
     else:  # one group's vector env alone; the loop's groups share the 2 cores

@@ -227,9 +227,9 @@ ENV_KEYS: dict[str, Any] = {
     "agent_ids": False,
 }
 # Vectorizations that make the same envs (each env stepped in the thread or in a worker
-# process); the others may preprocess (an id's own vector env) or be another
-# implementation of the id (EnvPool).
-_SAME_ENVS = {"async": "sync"}
+# process; EnvPool's in a pool per group or one pool of all); the others may preprocess
+# (an id's own vector env) or be another implementation of the id (EnvPool).
+_SAME_ENVS = {"async": "sync", "envpool_async": "envpool"}
 
 
 def _json(value: Any) -> Any:

@@ -35,7 +35,8 @@ class Config:
         literal arguments ("FlattenObservation,FrameStackObservation(stack_size=4)"), a
         sequence of such names, or env -> env callables. Needs a vectorization that
         makes each env itself ("sync", "async").
-      envs_per_group: envs in each env group (the envs of one inferencer thread's cycle).
+      envs_per_group: envs in each env group (the batch of one acting call, and the envs
+        of one trajectory).
         Divisible by the number of learner devices: each trajectory is split over them.
       vectorization: the env source kind, a name registered in `sebulba.envs.registry`
         (shipped: "sync", "async", "vector_entry_point", "envpool", "envpool_async",

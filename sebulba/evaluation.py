@@ -152,9 +152,9 @@ def evaluate(
     `nets` are the learner's networks (as a run or a checkpoint holds them); the agent
     acts on `agent.acting_nets(nets, 0)`, what the learner would publish.
     `vectorization` is a kind that supports evaluation (its `evaluate_as` is not None)
-    and whose source of one group returns every env of it at each recv: "sync",
-    "envpool" (a pool whose batch is all its envs, returned in any order: rows are put
-    in env order), "pettingzoo" (episodes are env episodes, returns team returns, with
+    and whose source of one group returns every env of it at each recv (in any order:
+    rows are put in env order): "sync", "envpool" (one synchronous pool), "pettingzoo"
+    (episodes are env episodes, returns team returns, with
     each agent's in `agent_returns`) or, for ids whose own vector env preprocesses
     (Atari), "vector_entry_point" (`evaluation_vectorization` names the one for a run's).
     `agent_ids` and `env_wrappers` as the run's (`Config.agent_ids`, multi-agent envs;

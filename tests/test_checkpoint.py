@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import sebulba
-from sebulba.checkpoint import Checkpointer
+from sebulba.checkpoint import Checkpointer, env_differences
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
@@ -153,6 +153,9 @@ def test_checkpoint_of_another_env_with_the_same_shapes_is_refused(tmp_path, run
     # Stepping the same envs in worker processes is the same env; tuples read as lists.
     same = {**CARTPOLE, "vectorization": "async", "env_wrappers": ()}
     assert checkpointer.restore(nets=nets, opt=(), metadata=same).counters == {"consumed": 10}
+    # So are EnvPool's envs, in a pool per group or in one pool of all the groups.
+    assert not env_differences({**CARTPOLE, "vectorization": "envpool"},
+                               {**CARTPOLE, "vectorization": "envpool_async"})
     # A checkpoint without the env entries of the launcher's metadata restores as before.
     checkpointer.save(2, nets=nets, opt=(), counters={"consumed": 20}, metadata={"agent": "ppo"})
     assert checkpointer.restore(nets=nets, opt=(), metadata={**CARTPOLE, **run}).counters == {

@@ -4,6 +4,7 @@ returning whichever envs are ready, and each env's steps assembled into its own 
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import NamedTuple
 
 import jax
@@ -165,6 +166,33 @@ def test_envpool_groups_share_the_cores_unless_told_otherwise():
             assert [p.pool.config["num_threads"] for p in source.pools] == [threads] * 2
         finally:
             source.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_that_returns_its_envs_out_of_order_is_caught(no_leftovers):
+    """The rows of a group are taken to be in env order, as EnvPool's synchronous pools
+    return them; the output checks hold a pool to it."""
+    from sebulba.envs.envpool_source import EnvPoolGroups
+
+    source = EnvPoolGroups("CartPole-v1", num_groups=1, group_size=4, seed=0,
+                           check_output=True)
+    try:
+        source.reset(seed=0)
+        ids, _, _ = source.recv()  # as sent
+        source.send(np.zeros(4, np.int32), ids)
+        recv = source.pools[0].recv
+
+        def swapped():
+            order, *rows = recv()
+            return (order[[1, 0, 2, 3]], *rows)
+
+        source.pools[0].recv = swapped
+        with pytest.raises(RuntimeError, match=re.escape(
+                "EnvPool returned group 0's envs in the order [1, 0, 2, 3], not in the "
+                "order sent")):
+            source.recv()
+    finally:
+        source.close()
 
 
 @pytest.mark.timeout(60)

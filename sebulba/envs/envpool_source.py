@@ -158,13 +158,13 @@ class EnvPoolGroups:
         self.num_groups, self.group_size = num_groups, group_size
         self.num_envs = num_groups * group_size
         self._render_mode = (env_kwargs or {}).get("render_mode")
-        # EnvPool's default gives each pool a thread per core (at most one per env). One
-        # pool steps at a time (the thread waits for each group in turn), so on an
-        # accelerator every pool may use every core; with `share_cores` (the acting
+        # EnvPool's default gives each pool a thread per core (at most one per env). With
+        # two groups one pool steps at a time (the thread waits for each group in turn),
+        # so on an accelerator each keeps that default; with `share_cores` (the acting
         # calls run on these cores too) the pools share them as one pool of all the
         # groups would, since surplus threads only preempt the acting calls (about 16%
         # more steps/s with one thread per pool, CartPole on 2 cores). `env_kwargs` may
-        # set `num_threads` itself.
+        # set `num_threads` itself (several inference devices, several threads' pools).
         threads = max(1, min(group_size, _cores() // (num_groups if share_cores else 1)))
         kwargs = {"num_threads": threads, **dict(env_kwargs or {})}
         self.pools: list[_Pool] = []
@@ -188,7 +188,6 @@ class EnvPoolGroups:
         # The groups take turns, in recv and in send alike; a loop may receive the next
         # group before it sends the one before (pipelining).
         self._recv_turn = self._send_turn = self._received = 0
-        self._ended: list[tuple[float, int]] = []
 
     def _place(self, env: int) -> str:
         """Env `env` of the source, named for an error message."""
@@ -205,9 +204,14 @@ class EnvPoolGroups:
     def recv(self) -> tuple[np.ndarray, EnvStep, int]:
         g = self._received = self._recv_turn
         self._recv_turn = g + 1 if g + 1 < self.num_groups else 0
-        _, obs, reward, terminated, truncated = self.pools[g].recv()
+        order, obs, reward, terminated, truncated = self.pools[g].recv()
         env_step, steps = self._trackers[g].observe_all(obs, reward, terminated, truncated)
         if self._checks is not None:
+            # EnvPool returns a synchronous pool's envs in the order they were sent; the
+            # rows are taken to be in env order, so the checks hold it to that.
+            if not np.array_equal(order, self._order):
+                raise RuntimeError(f"EnvPool returned group {g}'s envs in the order "
+                                   f"{np.asarray(order).tolist()}, not in the order sent")
             self._checks[g](env_step)
         return self._ids[g], env_step, steps
 

@@ -431,7 +431,9 @@ class EnvGroupRunner:
         """
         self.source.reset(seed=self.seed)
         clock = StageClock()
-        groups = [self._group_steps(g, clock) for g in range(self.source.num_groups)]
+        groups = [self._group_steps(g, state.step_state, clock)
+                  for g, state in enumerate(self.group_states)]
+        self.group_states = []  # the generators hold each group's state from here on
         if not next(groups[0], False):
             return
         i = 0
@@ -442,7 +444,8 @@ class EnvGroupRunner:
                 return
             i = j
 
-    def _group_steps(self, g: int, clock: StageClock) -> Iterator[bool]:
+    def _group_steps(self, g: int, step_state: StepState, clock: StageClock
+                     ) -> Iterator[bool]:
         """Group g of an in-order source, half an env step per `next` (True): recv to
         the acting call's dispatch and the work that overlaps it; the action's fetch and
         send. Exhausted once a push finds the run stopped.
@@ -457,7 +460,6 @@ class EnvGroupRunner:
         """
         source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
         device, learner_devices = self.device, self.learner_devices
-        step_state = self.group_states[g].step_state
         initial = agent.shard_step_state(self.acting.typed(step_state), learner_devices)
         record: _Cycle | None = None
         unwritten = None  # (cycle, t, action, output) of the last step, not yet recorded
@@ -542,7 +544,8 @@ class EnvGroupRunner:
         return True
 
     def _run_by_id(self) -> None:
-        """A source whose recv returns any E of its envs (EnvPool): per-env cycles."""
+        """A source whose recv returns any E of its envs ("envpool_async"): per-env
+        cycles."""
         source, steps, device = self.source, self.acting.steps_per_cycle, self.device
         size, num_groups = source.group_size, source.num_groups
         cycle = np.zeros(source.num_envs, np.int64)  # each env's current cycle
