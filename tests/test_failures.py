@@ -265,7 +265,8 @@ def test_async_envs_in_a_script_without_a_main_guard_say_what_to_add(tmp_path, l
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""
-    import functools, sys
+    import faulthandler, functools, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
     import sebulba
     from tests.counting_agent import CountingAgent
     from tests.envs import PidRecordingEnv
@@ -301,7 +302,14 @@ def test_ctrl_c_shuts_down_cleanly(tmp_path):
             time.sleep(0.1)
         time.sleep(2.0)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
+        try:
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # every thread's stack, then fail with them
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            proc.kill()
+            _, stderr = proc.communicate(timeout=10)
+            pytest.fail(f"the run did not end within 30 s of Ctrl-C:\n{stderr[-6000:]}")
     finally:
         proc.kill()
     assert "KeyboardInterrupt" in stderr
