@@ -267,6 +267,14 @@ def test_async_envs_in_a_script_without_a_main_guard_say_what_to_add(tmp_path, l
 CTRL_C_SCRIPT = textwrap.dedent("""
     import faulthandler, functools, signal, sys
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
+    # Ctrl-C as a terminal delivers it: a process started by a test runner's worker may
+    # inherit SIGINT ignored or blocked (seen under pytest-xdist: the run went on as if
+    # no signal had come), which no user's terminal session does.
+    inherited = (signal.getsignal(signal.SIGINT),
+                 signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    print(f"inherited SIGINT handler, blocked: {inherited}", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     import sebulba
     from tests.counting_agent import CountingAgent
     from tests.envs import PidRecordingEnv
