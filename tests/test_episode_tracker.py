@@ -20,7 +20,9 @@ def test_in_order_path_matches_the_by_id_path():
     by_id, in_order = EpisodeTracker(N, SPACE), EpisodeTracker(N, SPACE)
     ids = np.arange(N)
     ended_by_id, ended_in_order = [], []
-    for step in range(2000):
+    # Asked now and then, up to more rows than it keeps for the tally at once.
+    asked_at = {4, 9, 10, 50, 51, 400} | set(range(1500, 3000, 111))
+    for step in range(3000):
         obs = rng.normal(size=(N, 3))  # float64: both convert to the space's float32
         reward = rng.normal(size=N) * (step > 0)
         terminated, truncated = rng.random(N) < 0.05, rng.random(N) < 0.03
@@ -31,14 +33,18 @@ def test_in_order_path_matches_the_by_id_path():
             np.testing.assert_array_equal(x, y)
         assert a[1] == b[1], step  # steps counted
         ended_by_id += by_id.pop_episodes()  # every step
-        if step % 5 == 4:  # now and then: the tally catches up
+        if step in asked_at:  # now and then: the tally catches up
             ended_in_order += in_order.pop_episodes()
         if step not in (1, 2, 4):  # some steps send no action: their rows are not steps
             by_id.sent(ids)
             in_order.sent(ids)
     ended_in_order += in_order.pop_episodes()
-    assert ended_by_id == ended_in_order  # (return, length), in the order they ended
-    assert len(ended_by_id) > 100
+    # (return, length), in the order they ended; the in-order path sums an episode that
+    # starts among the rows it tallies at once as a difference of running sums.
+    assert [n for _, n in ended_by_id] == [n for _, n in ended_in_order]
+    np.testing.assert_allclose([r for r, _ in ended_in_order], [r for r, _ in ended_by_id],
+                               rtol=1e-12, atol=1e-12)
+    assert len(ended_by_id) > 200
 
 
 @pytest.mark.timeout(60)
@@ -88,3 +94,23 @@ def test_a_source_may_reuse_its_buffers_before_the_tally():
     tracker.observe(np.array([0, 1]), obs, np.array([3.0, 4.0], np.float32), no,
                     np.ones(2, bool))  # envs 0 and 1 get 3 and 4, and end
     assert tracker.pop_episodes() == [(4.0, 2), (6.0, 2)]
+
+
+@pytest.mark.timeout(60)
+def test_in_order_rows_are_tallied_as_observed_however_late():
+    """Rows of every env wait for the tally, many of them: a source that reuses its
+    reward buffer meanwhile must not change what they count."""
+    tracker = EpisodeTracker(2, SPACE)
+    obs, no = np.zeros((2, 3), np.float32), np.zeros(2, bool)
+    reward = np.zeros(2, np.float32)  # the source's buffer, written in place each step
+    tracker.observe_all(obs, reward, no, no)  # the resets
+    tracker.sent(np.arange(2))
+    for step in range(1, 11):
+        reward[:] = [step, 10 * step]
+        tracker.observe_all(obs, reward, no, np.array([False, step == 4]))
+    reward[:] = -1000.0
+    # Env 1 ended at step 4 (10 + 20 + 30 + 40), reset at step 5 and has 6 steps since.
+    assert tracker.pop_episodes() == [(100.0, 4)]
+    tracker.observe_all(obs, reward * 0 + 1.0, np.ones(2, bool), no)
+    assert tracker.pop_episodes() == [(sum(range(1, 11)) + 1.0, 11),
+                                      (10.0 * sum(range(6, 11)) + 1.0, 6)]

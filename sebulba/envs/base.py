@@ -23,8 +23,9 @@ class EnvSource(Protocol):
     When `in_order`, `recv` returns a whole group in id order, the groups in turn (0, 1,
     ..., 0, ...), and `send` takes them in the same turns; with several groups the thread
     receives the next group before it sends the one before (it pipelines them), so such
-    a source's envs must step while the thread acts (EnvPool's do, in C++ threads), and
-    `pop_episodes` is asked after each recv for the episodes of the group received.
+    a source's envs must step while the thread acts (EnvPool's do, in C++ threads).
+    `pop_episodes` may be asked after each recv or after many (an in-order loop asks once
+    per cycle, a by-id loop after each recv): a source keeps what it has not been asked.
     Episodes end with gymnasium's NEXT_STEP autoreset:
     the row after a last one is its env's reset (`first`, reward 0), whose action the env
     ignores. `EpisodeTracker` builds such rows from an env's own outputs.
@@ -95,9 +96,13 @@ class EpisodeTracker:
     Turns an env's (obs, reward, terminated, truncated) rows into `EnvStep` rows with
     fixed dtypes (so the compiled acting step never retraces) and the `first` flag. The
     episodes' returns and lengths are tallied later, when `pop_episodes` asks for the
-    episodes that ended (or at the next observe): an acting loop asks while the device
-    computes, so the tally stays off the path from one env step to the next.
+    episodes that ended, so the tally stays off the path from one env step to the next:
+    rows of every env in order (`observe_all`) wait for it, up to `MAX_PENDING` of them,
+    and are tallied together, a few NumPy calls for all of them (an in-order acting loop
+    asks once per cycle); rows by id (`observe`) are tallied at the next observe.
     """
+
+    MAX_PENDING = 1024  # in-order rows kept for the tally; more are tallied at observe
 
     def __init__(self, num_envs: int, observation_space: gym.Space):
         self._obs_dtype = observations.host_dtype(observation_space)
@@ -106,7 +111,10 @@ class EpisodeTracker:
         self._all_acted = False
         self._returns = np.zeros(num_envs, np.float64)
         self._lengths = np.zeros(num_envs, np.int64)
-        self._untallied: tuple | None = None  # (ids or None: all, reward, first, last)
+        # Rows observed, not yet tallied: by id, the last one (ids, reward, first, last);
+        # in order, up to MAX_PENDING of them (reward, first, last).
+        self._untallied: tuple | None = None
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._ended: list[tuple[float, int]] = []
 
     def restart(self) -> None:
@@ -116,6 +124,7 @@ class EpisodeTracker:
         self._returns[:] = 0.0
         self._lengths[:] = 0
         self._untallied = None
+        self._pending = []
         self._ended = []
 
     def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
@@ -139,14 +148,16 @@ class EpisodeTracker:
         """`observe` for every env in id order (a vector env's step): whole arrays, no
         gathers by id. In the acting loop each numpy call costs 1 to 2 us (the caches
         are cold after an acting call), several times what it costs in a tight loop."""
-        self._tally()
+        if self._untallied is not None or len(self._pending) >= self.MAX_PENDING:
+            self._tally()
         first = self._was_last  # a fresh array each step: `last` below replaces it
         terminated = np.asarray(terminated, bool)
         truncated = np.asarray(truncated, bool)
         last = terminated | truncated
         self._was_last = last
-        reward = np.asarray(reward, np.float32)
-        self._untallied = (None, reward, first, last)
+        # A copy: the tally comes later, and a source may reuse its buffers.
+        reward = np.array(reward, np.float32)
+        self._pending.append((reward, first, last))
         steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
         return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
                        first), steps
@@ -159,25 +170,65 @@ class EpisodeTracker:
         return ended
 
     def _tally(self) -> None:
-        """Adds the last observed rows to their episodes' returns and lengths."""
+        """Adds the observed rows to their episodes' returns and lengths."""
+        if self._pending:
+            self._tally_in_order()
         if self._untallied is None:
             return
         ids, reward, first, last = self._untallied
         self._untallied = None
-        if ids is None:  # every env, in id order: the whole arrays, in place
-            returns, lengths = self._returns, self._lengths
-        else:
-            returns, lengths = self._returns[ids], self._lengths[ids]
+        returns, lengths = self._returns[ids], self._lengths[ids]
         returns += reward
         lengths += 1
         if first.any():  # a reset's row: its reward is not the new episode's
             returns[first] = 0.0
             lengths[first] = 0
-        if ids is not None:
-            self._returns[ids] = returns
-            self._lengths[ids] = lengths
+        self._returns[ids] = returns
+        self._lengths[ids] = lengths
         if last.any():
             self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
+
+    def _tally_in_order(self) -> None:
+        """Tallies the pending rows of every env, [T, N], in one pass over all of them.
+
+        A reset's row (`first`) adds nothing and starts its env's episode afresh: an
+        episode's return at row t is the sum of its env's rewards after its latest
+        first row up to t (or since the pending rows began, on top of what it had).
+        """
+        rows, self._pending = self._pending, []
+        if len(rows) == 1:  # asked after each recv (an evaluation): a few calls in place
+            reward, first, last = rows[0]
+            self._returns += reward
+            self._lengths += 1
+            if first.any():  # a reset's row: its reward is not the new episode's
+                self._returns[first] = 0.0
+                self._lengths[first] = 0
+            if last.any():
+                self._ended += zip(self._returns[last].tolist(),
+                                   self._lengths[last].tolist(), strict=True)
+            return
+        reward, first, last = (np.stack(x) for x in zip(*rows, strict=True))
+        # Each env's returns and lengths so far enter with its first pending row (unless
+        # it restarts there): an episode under way sums its rewards in the order they
+        # came, as a step-by-step tally would.
+        gains = np.where(first, 0.0, reward.astype(np.float64))
+        gains[0] += np.where(first[0], 0.0, self._returns)
+        steps = np.cumsum(gains, axis=0)
+        ones = (~first).astype(np.int64)
+        ones[0] += np.where(first[0], 0, self._lengths)
+        counts = np.cumsum(ones, axis=0)
+        # Each row's latest first row at or before it (-1: none among the pending).
+        start = np.maximum.accumulate(
+            np.where(first, np.arange(len(rows))[:, None], -1), axis=0)
+        restarted = start >= 0
+        at_start = np.maximum(start, 0)
+        returns = np.where(restarted, steps - np.take_along_axis(steps, at_start, axis=0),
+                           steps)
+        lengths = np.where(restarted, counts - np.take_along_axis(counts, at_start, axis=0),
+                           counts)
+        if last.any():  # in the order observed: row by row, env by env
+            self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
+        self._returns, self._lengths = returns[-1].copy(), lengths[-1].copy()
 
     def sent(self, ids: np.ndarray) -> None:
         if not self._all_acted:

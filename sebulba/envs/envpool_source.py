@@ -187,7 +187,7 @@ class EnvPoolGroups:
         self._order = np.arange(group_size, dtype=np.int32)  # a pool's own env ids
         # The groups take turns, in recv and in send alike; a loop may receive the next
         # group before it sends the one before (pipelining).
-        self._recv_turn = self._send_turn = self._received = 0
+        self._recv_turn = self._send_turn = 0
 
     def _place(self, env: int) -> str:
         """Env `env` of the source, named for an error message."""
@@ -199,10 +199,10 @@ class EnvPoolGroups:
         for pool, tracker in zip(self.pools, self._trackers, strict=True):
             pool.pool.async_reset()
             tracker.restart()
-        self._recv_turn = self._send_turn = self._received = 0
+        self._recv_turn = self._send_turn = 0
 
     def recv(self) -> tuple[np.ndarray, EnvStep, int]:
-        g = self._received = self._recv_turn
+        g = self._recv_turn
         self._recv_turn = g + 1 if g + 1 < self.num_groups else 0
         order, obs, reward, terminated, truncated = self.pools[g].recv()
         env_step, steps = self._trackers[g].observe_all(obs, reward, terminated, truncated)
@@ -216,9 +216,9 @@ class EnvPoolGroups:
         return self._ids[g], env_step, steps
 
     def pop_episodes(self) -> list[tuple[float, int]]:
-        """The episodes that ended in the group recv returned last (each group's are
-        popped after its own recv)."""
-        return self._trackers[self._received].pop_episodes()
+        """The episodes that ended in the rows recv returned since the last call, group
+        by group."""
+        return [e for tracker in self._trackers for e in tracker.pop_episodes()]
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         g = self._send_turn

@@ -147,8 +147,10 @@ class RunResult:
       in_flight: env steps acted but not consumed when the run ended: in open cycles,
         the queue, or taken by the learner for an update it did not make.
       wall_seconds: from the first env step to the end of the run.
-      episodes: (env_steps when it ended, return, length) of the completed episodes, the
-        most recent `EPISODE_WINDOW` of them (`episodes_total` counts all).
+      episodes: (env_steps when it was counted, return, length) of the completed
+        episodes, the most recent `EPISODE_WINDOW` of them (`episodes_total` counts
+        all). An in-order loop counts a cycle's episodes when it pushes the cycle (and
+        the last ones when it stops), the by-id loop after each batch.
       policy_lags: per consumed trajectory (the most recent `LAG_WINDOW`), in learner
         updates: the learner's updates when it consumed the trajectory minus its updates
         when it published the networks that acted (0: the freshest networks possible).

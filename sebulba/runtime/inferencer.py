@@ -9,10 +9,11 @@ whole group at each recv, and the thread keeps one cursor and one StepState per 
     ids, env_step = source.recv()      # a group's E envs, in id order
     one compiled, donated call on the device: agent.step -> actions and extras
     (with several groups: the group before this one is sent its actions here)
-    while the device computes: tally the episodes that ended, record the env step and
-        the previous step's action into the group's current cycle (host memory, numpy;
-        the extras stay on the device, stacked once the cycle ends), and push a cycle
-        that ended: (initial, final, trajectory) sharded over the learner devices
+    while the device computes: record the env step and the previous step's action
+        into the group's current cycle (host memory, numpy; the extras stay on the
+        device, stacked once the cycle ends), and push a cycle that ended: (initial,
+        final, trajectory) sharded over the learner devices, after a tally of the
+        episodes that ended in it (one pass over the cycle's rows)
     the actions to the host; source.send
 
 A source whose recv returns any E of its envs (one asynchronous EnvPool,
@@ -441,8 +442,9 @@ class EnvGroupRunner:
             j = i + 1 if i + 1 < len(groups) else 0
             # With one group j is i: its halves simply alternate.
             if not (next(groups[j], False) and next(groups[i], False)):
-                return
+                break
             i = j
+        self.accounting.add_episodes(self.source.pop_episodes())  # the last cycles'
 
     def _group_steps(self, g: int, step_state: StepState, clock: StageClock
                      ) -> Iterator[bool]:
@@ -498,7 +500,6 @@ class EnvGroupRunner:
             if self.copies_early:
                 start_host_copies(output.action)  # the extras stay until the cycle ends
             # While the device computes:
-            self.accounting.add_episodes(source.pop_episodes())
             record.write_env_step(None, t, env_step, None)
             if unwritten is not None:
                 _write_outputs(*unwritten)
@@ -704,7 +705,9 @@ class EnvGroupRunner:
 
     def _push(self, g: int, record: _Cycle, initial: StepState, final: StepState,
               clock: StageClock) -> bool:
-        """Puts group g's recorded cycle on the queue; False if the run stopped first."""
+        """Puts group g's recorded cycle on the queue; False if the run stopped first.
+        The in-order loop tallies the episodes that ended here, once per cycle."""
+        self.accounting.add_episodes(self.source.pop_episodes())
         if record.device_extras and record.device_extras[0]:  # an in-order loop's
             stacked = self.acting.stack_steps(record.device_extras)  # one call, [E, T, ...]
             record.outputs += transfers.to_host_all(stacked, "cycle: extras to host")
