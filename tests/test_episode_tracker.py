@@ -114,3 +114,27 @@ def test_in_order_rows_are_tallied_as_observed_however_late():
     tracker.observe_all(obs, reward * 0 + 1.0, np.ones(2, bool), no)
     assert tracker.pop_episodes() == [(sum(range(1, 11)) + 1.0, 11),
                                       (10.0 * sum(range(6, 11)) + 1.0, 6)]
+
+
+@pytest.mark.timeout(60)
+def test_an_infinite_reward_stays_in_its_own_episode():
+    """With the output checks off an env may return inf: tallied with the rows after it,
+    it must not turn the env's later episodes into NaN (a difference of running sums)."""
+    obs, no = np.zeros((1, 3), np.float32), np.zeros(1, bool)
+    steps = [(0.0, False), (np.inf, True), (0.0, False), (1.0, True), (0.0, False),
+             (2.0, True), (0.0, False), (3.0, False)]
+    one_pass, row_by_row = EpisodeTracker(1, SPACE), EpisodeTracker(1, SPACE)
+    ended = []
+    for tracker in (one_pass, row_by_row):
+        tracker.observe_all(obs, np.zeros(1), no, no)
+        tracker.sent(np.arange(1))
+    for reward, terminated in steps:
+        for tracker in (one_pass, row_by_row):
+            tracker.observe_all(obs, np.array([reward]), np.array([terminated]), no)
+        ended += row_by_row.pop_episodes()
+    # Each reset's row starts the next episode and counts nothing.
+    assert one_pass.pop_episodes() == ended == [(np.inf, 2), (1.0, 1), (2.0, 1)]
+    for tracker in (one_pass, row_by_row):  # the episode under way (3 so far) ends
+        for reward, terminated in [(4.0, True), (5.0, False), (6.0, True)]:
+            tracker.observe_all(obs, np.array([reward]), np.array([terminated]), no)
+    assert one_pass.pop_episodes() == [(7.0, 2), (6.0, 1)]

@@ -193,19 +193,13 @@ class EpisodeTracker:
 
         A reset's row (`first`) adds nothing and starts its env's episode afresh: an
         episode's return at row t is the sum of its env's rewards after its latest
-        first row up to t (or since the pending rows began, on top of what it had).
+        first row up to t (or since the pending rows began, on top of what it had), the
+        difference of two running sums: exact for whole-number rewards, else within the
+        float64 rounding of the env's running sum over the rows.
         """
         rows, self._pending = self._pending, []
         if len(rows) == 1:  # asked after each recv (an evaluation): a few calls in place
-            reward, first, last = rows[0]
-            self._returns += reward
-            self._lengths += 1
-            if first.any():  # a reset's row: its reward is not the new episode's
-                self._returns[first] = 0.0
-                self._lengths[first] = 0
-            if last.any():
-                self._ended += zip(self._returns[last].tolist(),
-                                   self._lengths[last].tolist(), strict=True)
+            self._tally_row(*rows[0])
             return
         reward, first, last = (np.stack(x) for x in zip(*rows, strict=True))
         # Each env's returns and lengths so far enter with its first pending row (unless
@@ -217,6 +211,12 @@ class EpisodeTracker:
         ones = (~first).astype(np.int64)
         ones[0] += np.where(first[0], 0, self._lengths)
         counts = np.cumsum(ones, axis=0)
+        if not np.isfinite(steps[-1]).all():
+            # An infinite or NaN reward (the output checks off): a difference of running
+            # sums would carry it into the env's later episodes. Row by row instead.
+            for row in rows:
+                self._tally_row(*row)
+            return
         # Each row's latest first row at or before it (-1: none among the pending).
         start = np.maximum.accumulate(
             np.where(first, np.arange(len(rows))[:, None], -1), axis=0)
@@ -229,6 +229,17 @@ class EpisodeTracker:
         if last.any():  # in the order observed: row by row, env by env
             self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
         self._returns, self._lengths = returns[-1].copy(), lengths[-1].copy()
+
+    def _tally_row(self, reward: np.ndarray, first: np.ndarray, last: np.ndarray) -> None:
+        """Tallies one row of every env, in place."""
+        self._returns += reward
+        self._lengths += 1
+        if first.any():  # a reset's row: its reward is not the new episode's
+            self._returns[first] = 0.0
+            self._lengths[first] = 0
+        if last.any():
+            self._ended += zip(self._returns[last].tolist(), self._lengths[last].tolist(),
+                               strict=True)
 
     def sent(self, ids: np.ndarray) -> None:
         if not self._all_acted:

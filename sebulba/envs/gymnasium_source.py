@@ -312,7 +312,8 @@ class VectorEnvSource:
     `reset(seed)`, then alternately `recv() -> (ids, EnvStep, env steps)` and
     `send(actions, ids)`; `num_envs` envs in `num_groups` groups of `group_size`.
     Here recv returns what the last send's step produced, for all envs in id order, and
-    `pop_episodes()` the (return, length) of the episodes that ended in it.
+    `pop_episodes()` the (return, length) of the episodes that ended in the rows it
+    returned since the last call.
     """
 
     num_groups = 1

@@ -42,7 +42,7 @@ class Accounting:
         self.dropped = 0
         self.trajectories_consumed = 0
         self.trajectories_dropped = 0
-        # (env_steps at its end, return, length) of the most recent episodes
+        # (env_steps when counted, return, length) of the most recent episodes
         self.episodes: collections.deque[tuple[int, float, int]] = collections.deque(
             maxlen=EPISODE_WINDOW)
         self.episodes_total = 0
@@ -149,7 +149,7 @@ class RunResult:
       wall_seconds: from the first env step to the end of the run.
       episodes: (env_steps when it was counted, return, length) of the completed
         episodes, the most recent `EPISODE_WINDOW` of them (`episodes_total` counts
-        all). An in-order loop counts a cycle's episodes when it pushes the cycle (and
+        all). An in-order loop counts the episodes that ended when it pushes a cycle (and
         the last ones when it stops), the by-id loop after each batch.
       policy_lags: per consumed trajectory (the most recent `LAG_WINDOW`), in learner
         updates: the learner's updates when it consumed the trajectory minus its updates

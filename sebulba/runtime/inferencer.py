@@ -13,7 +13,7 @@ whole group at each recv, and the thread keeps one cursor and one StepState per 
         into the group's current cycle (host memory, numpy; the extras stay on the
         device, stacked once the cycle ends), and push a cycle that ended: (initial,
         final, trajectory) sharded over the learner devices, after a tally of the
-        episodes that ended in it (one pass over the cycle's rows)
+        episodes that ended since the last push (one pass over those rows)
     the actions to the host; source.send
 
 A source whose recv returns any E of its envs (one asynchronous EnvPool,
@@ -706,7 +706,8 @@ class EnvGroupRunner:
     def _push(self, g: int, record: _Cycle, initial: StepState, final: StepState,
               clock: StageClock) -> bool:
         """Puts group g's recorded cycle on the queue; False if the run stopped first.
-        The in-order loop tallies the episodes that ended here, once per cycle."""
+        Counts the episodes that ended since the last push, of every group of the source
+        (the in-order loop asks for them nowhere else while it runs)."""
         self.accounting.add_episodes(self.source.pop_episodes())
         if record.device_extras and record.device_extras[0]:  # an in-order loop's
             stacked = self.acting.stack_steps(record.device_extras)  # one call, [E, T, ...]
