@@ -178,15 +178,9 @@ class EpisodeTracker:
         ids, reward, first, last = self._untallied
         self._untallied = None
         returns, lengths = self._returns[ids], self._lengths[ids]
-        returns += reward
-        lengths += 1
-        if first.any():  # a reset's row: its reward is not the new episode's
-            returns[first] = 0.0
-            lengths[first] = 0
+        self._add_row(returns, lengths, reward, first, last)
         self._returns[ids] = returns
         self._lengths[ids] = lengths
-        if last.any():
-            self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
 
     def _tally_in_order(self) -> None:
         """Tallies the pending rows of every env, [T, N], in one pass over all of them.
@@ -199,7 +193,7 @@ class EpisodeTracker:
         """
         rows, self._pending = self._pending, []
         if len(rows) == 1:  # asked after each recv (an evaluation): a few calls in place
-            self._tally_row(*rows[0])
+            self._add_row(self._returns, self._lengths, *rows[0])
             return
         reward, first, last = (np.stack(x) for x in zip(*rows, strict=True))
         # Each env's returns and lengths so far enter with its first pending row (unless
@@ -215,7 +209,7 @@ class EpisodeTracker:
             # An infinite or NaN reward (the output checks off): a difference of running
             # sums would carry it into the env's later episodes. Row by row instead.
             for row in rows:
-                self._tally_row(*row)
+                self._add_row(self._returns, self._lengths, *row)
             return
         # Each row's latest first row at or before it (-1: none among the pending).
         start = np.maximum.accumulate(
@@ -230,16 +224,17 @@ class EpisodeTracker:
             self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
         self._returns, self._lengths = returns[-1].copy(), lengths[-1].copy()
 
-    def _tally_row(self, reward: np.ndarray, first: np.ndarray, last: np.ndarray) -> None:
-        """Tallies one row of every env, in place."""
-        self._returns += reward
-        self._lengths += 1
+    def _add_row(self, returns: np.ndarray, lengths: np.ndarray, reward: np.ndarray,
+                 first: np.ndarray, last: np.ndarray) -> None:
+        """Adds one row to its envs' `returns` and `lengths` (in place) and keeps the
+        episodes it ends."""
+        returns += reward
+        lengths += 1
         if first.any():  # a reset's row: its reward is not the new episode's
-            self._returns[first] = 0.0
-            self._lengths[first] = 0
+            returns[first] = 0.0
+            lengths[first] = 0
         if last.any():
-            self._ended += zip(self._returns[last].tolist(), self._lengths[last].tolist(),
-                               strict=True)
+            self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
 
     def sent(self, ids: np.ndarray) -> None:
         if not self._all_acted:
