@@ -94,6 +94,16 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     }
 
 
+def plot_title(records: list[dict[str, Any]]) -> str:
+    """The agent, the env, the agent config's changes from its defaults (or "default
+    config"), and the runs' mean steps/s."""
+    first = records[0]
+    changed = ", ".join(f"{k}={v}" for k, v in (first.get("agent_config") or {}).items())
+    speed = sum(r["steps_per_second"] for r in records) / len(records)
+    return (f"{first['agent']} on {first['env']}, {changed or 'default config'} "
+            f"({speed:,.0f} steps/s)")
+
+
 def plot(records: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -109,9 +119,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         if evaluations:  # evaluation during training: the same seed's color, as dots
             ax.plot([e[0] for e in evaluations], [e[1] for e in evaluations], "o",
                     color=line.get_color(), alpha=0.7, markersize=4)
-    first = records[0]
-    ax.set_title(f"{first['agent']} on {first['env']}, default config "
-                 f"({sum(r['steps_per_second'] for r in records) / len(records):,.0f} steps/s)")
+    ax.set_title(plot_title(records))
     ax.set_xlabel("env steps")
     ax.set_ylabel("episode return")
     ax.legend(title="last 10% mean" + (" (dots: evaluations)" if any(

@@ -330,7 +330,7 @@ def test_sac_solves_pendulum_within_40k_env_steps(no_leftovers):
     """Random Pendulum scores about -1,200; solved is above -200. With 64-unit layers
     (for speed) and a replay ratio of 0.25 the last 10% ends at -113, -113 and -128 for
     seeds 0, 1, 2 (30-40 s each on 2 cores)."""
-    cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000)  # replay_ratio 0.25
+    cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000, replay_ratio=0.25)
     agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
     config = _pendulum(envs_per_group=8, steps_per_cycle=8, async_factor=1, seed=0)
     result = sebulba.Sebulba(agent, config).run(40_000)
