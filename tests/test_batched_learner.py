@@ -143,12 +143,14 @@ def test_each_update_holds_k_trajectories_in_order(k, async_factor, inference, l
     assert len(result.policy_lags) == trajectories  # one lag per item, not per update
     assert log.obs.shape[2] == k * per_shard  # the update's rows: K x E / L
 
-    mixed = 0  # updates that joined trajectories of different groups
+    # Which groups' cycles an update joins is up to the threads' timing (an update may
+    # hold two cycles of one group); every update is checked whatever it joined, and the
+    # join of items from anywhere is checked exactly in
+    # test_the_join_concatenates_each_devices_envs_and_keeps_the_sharding.
     for shard in range(num_learners):
         assert int(log.size[shard]) == result.learner_updates
         seen = {}  # env id -> its trajectories, in the order the learner got them
         for u in range(result.learner_updates):
-            groups = []
             for item in range(k):  # item k's envs are rows [k E/L, (k + 1) E/L)
                 rows = slice(item * per_shard, (item + 1) * per_shard)
                 ids = log.obs[shard, u, rows, :, 0]
@@ -157,14 +159,12 @@ def test_each_update_holds_k_trajectories_in_order(k, async_factor, inference, l
                 group, offset = divmod(int(ids[0]), e)
                 assert offset == shard * per_shard  # this shard's block of one group's envs
                 np.testing.assert_array_equal(ids, group * e + offset + np.arange(per_shard))
-                groups.append(group)
                 for j, env_id in enumerate(ids):
                     r = item * per_shard + j
                     seen.setdefault(int(env_id), []).append((
                         int(log.initial_count[shard, u, r]), log.obs[shard, u, r],
                         log.first[shard, u, r], int(log.final_count[shard, u, r]),
                         float(log.final_id[shard, u, r])))
-            mixed += len(set(groups)) > 1
         assert sum(len(v) for v in seen.values()) == trajectories * per_shard
         for env_id, trajs in seen.items():
             # In order, nothing lost or duplicated: initial counts are 0, T, 2T, ...
@@ -181,7 +181,6 @@ def test_each_update_holds_k_trajectories_in_order(k, async_factor, inference, l
                     assert tuple(obs[s + 1]) == expected_next(tuple(obs[s]), None)
                     assert first[s + 1] == (obs[s][2] == EPISODE_LENGTH)
                 previous_last = obs[-1]
-    assert mixed > 0  # rows from two groups in one update
 
 
 @pytest.mark.timeout(120)
