@@ -1,6 +1,7 @@
 """Learning curves: an agent with its default config (the launcher's defaults, no tuning
-flags) on one env for several seeds; episode returns against env steps, as JSON and as a
-PNG plot (matplotlib, extra `notebooks`).
+flags; `--agent_config` changes fields, which the records and the plot's title name) on
+one env for several seeds; episode returns against env steps, as JSON and as a PNG plot
+(matplotlib, extra `notebooks`).
 
 Records (JSON lines): meta; one run record per seed (steps/second, the mean return over the
 last 10% of the budget, the curve binned into `--bins` points); end. The plot shows each
