@@ -69,12 +69,12 @@ import optax
 
 import sebulba
 from agents.common import checks, networks, normalization
-from agents.common.learner_devices import own_key
 from agents.common.returns import action_mask
 from agents.common.value_rescaling import rescale, unrescale
 from sebulba import target_network
 from sebulba.envs import observations
 from sebulba.experience import replay as rp
+from sebulba.runtime.sharding import own_key
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 
 

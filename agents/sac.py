@@ -14,15 +14,17 @@ How it fits the Sebulba loop:
 - Experience: one uniform replay per learner device (`sebulba.experience.replay`,
   sampled with `sample_uniform`), holding `replay_capacity / D` transitions, D the
   run's learner devices: `replay_capacity` counts transitions of the whole run. Every
-  update cuts its trajectory shard (K x E / D envs of T steps) into one-step transitions
-  (`sebulba.experience.transitions`, n_step > 1 for n-step ones): the action an env ignored
-  on an episode's last observation (NEXT_STEP autoreset) is left out, a terminated
-  episode bootstraps 0, a truncated one from its final observation.
-- Warm-up: the experience counts the run's env steps (every env, every learner
-  device); `ready_to_learn` is False until `learning_starts` of them, and the learner
-  skips the gradient steps until then. The networks count the gradient steps taken,
-  and `acting_nets` publishes "act at random" while that count is 0: the actors draw
-  uniform actions until the learner has learnt once, whatever the layout.
+  update cuts its trajectory shard (K x E / L envs of T steps, L the process's learner
+  devices) into one-step transitions (`sebulba.experience.transitions`, n_step > 1 for
+  n-step ones): the action an env ignored on an episode's last observation (NEXT_STEP
+  autoreset) is left out, a terminated episode bootstraps 0, a truncated one from its
+  final observation.
+- Warm-up: the experience counts the run's env steps (every env, every learner device:
+  `sebulba.experience.warmup`); `ready_to_learn` is False until `learning_starts` of
+  them, and the learner skips the gradient steps until then. The networks count the
+  gradient steps taken, and `acting_nets` publishes "act at random" while that count is
+  0: the actors draw uniform actions until the learner has learnt once, whatever the
+  layout.
 - Replay ratio: `replay_ratio` gradient steps per env step of the run (every env of
   every process). A learner update learns from K x envs_per_group x steps_per_cycle x
   processes env steps (K = `Config.trajectories_per_update`), so
@@ -33,7 +35,7 @@ How it fits the Sebulba loop:
   own key; the learner averages the gradients, so a gradient step learns from D x
   batch_size transitions.
 - Three objectives, three optimizers: the networks are `SACNets(actor, critic,
-  log_alpha, ...)`; `agents.common.objectives.own_part_losses` makes the critic loss
+  log_alpha, ...)`; `sebulba.objectives.own_part_losses` makes the critic loss
   train only `critic`, the actor loss only `actor`, the temperature loss only
   `log_alpha` (each sees the other parts as constants), and `per_field_optimizer` gives
   each part its own Adam.
@@ -60,14 +62,15 @@ import optax
 import sebulba
 from agents.common import checks
 from agents.common.distributions import GaussianHead, TanhGaussian
-from agents.common.learner_devices import own_key
 from agents.common.networks import MLP
-from agents.common.objectives import own_part_losses, per_field_optimizer
 from sebulba import target_network
 from sebulba.agent import combine_partitions
 from sebulba.envs import observations
 from sebulba.experience import replay as rp
+from sebulba.experience import warmup
 from sebulba.experience.transitions import Transition, n_step_transitions
+from sebulba.objectives import own_part_losses, per_field_optimizer
+from sebulba.runtime.sharding import own_key
 from sebulba.types import EnvStep, Metrics, Nets, PyTree, Trajectory
 
 
@@ -180,8 +183,7 @@ class SACStepState(NamedTuple):
 
 class SACExperience(NamedTuple):  # one per learner device
     replay: rp.Replay  # items: Transition, actions in (-1, 1)
-    env_steps: jax.Array  # int32 scalar, env steps of the whole run received so far
-    learner_devices: jax.Array  # int32 scalar, D: the run's learner devices
+    received: warmup.EnvStepCount  # env steps of the whole run received so far
     replay_ratio: jax.Array  # float32 scalar, gradient steps per env step of the run
     key: jax.Array  # typed PRNG key for sampling
 
@@ -198,7 +200,8 @@ class SAC(sebulba.Agent):
         space = env_spec.action_space
         if not isinstance(space, gym.spaces.Box):
             raise ValueError(f"SAC needs a Box action space (continuous actions), got "
-                             f"{space!r}; use R2D2, PPO or IMPALA for discrete actions")
+                             f"{space!r}; use PPO or IMPALA for discrete actions (R2D2 too for "
+                             "a Discrete space)")
         if len(space.shape) != 1:
             raise ValueError(f"SAC needs a 1-D Box action space, got shape {space.shape}")
         if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
@@ -268,8 +271,7 @@ class SAC(sebulba.Agent):
         return SACExperience(
             # priority_exponent does not matter: only ever sampled uniformly.
             replay=rp.new_replay(example, capacity, priority_exponent=0.0),
-            env_steps=jnp.zeros((), jnp.int32),
-            learner_devices=jnp.asarray(devices, jnp.int32),
+            received=warmup.new_count(layout),
             replay_ratio=jnp.asarray(
                 self.optimizer_steps_per_update(layout) / env_steps_per_update(layout),
                 jnp.float32),
@@ -310,14 +312,12 @@ class SAC(sebulba.Agent):
                           final_step_state: SACStepState, trajectory: Trajectory,
                           nets: Nets) -> SACExperience:
         items, valid = self.transitions(trajectory)
-        # Every learner device receives as many env steps as this one.
-        received = valid.shape[0] * experience.learner_devices
         return experience._replace(replay=rp.insert(experience.replay, items, valid),
-                                   env_steps=experience.env_steps + received)
+                                   received=warmup.add(experience.received, trajectory))
 
     def ready_to_learn(self, experience: SACExperience) -> jax.Array:
         """After `learning_starts` env steps of the run (and at least one transition)."""
-        return ((experience.env_steps >= self.config.learning_starts)
+        return (warmup.reached(experience.received, self.config.learning_starts)
                 & (experience.replay.size > 0))
 
     def optimizer_steps_per_update(self, layout: sebulba.Layout) -> int:

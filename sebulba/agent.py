@@ -202,8 +202,8 @@ class Agent(abc.ABC):
         """Scalar loss to differentiate, with the updated experience and scalar metrics.
 
         Runs on each learner device on its own experience; every device starts from the
-        same experience and key, so an agent that samples folds in the device's index,
-        `jax.lax.axis_index(sebulba.runtime.sharding.LEARNER_AXIS)`, to draw its own batch.
+        same experience and key, so an agent that samples folds in the device's index
+        (`sebulba.runtime.sharding.own_key`) to draw its own batch.
         """
 
     @abc.abstractmethod

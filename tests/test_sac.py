@@ -16,14 +16,14 @@ from scipy import stats
 
 import sebulba
 from agents.common.distributions import DiagGaussian, TanhGaussian
-from agents.common.learner_devices import own_key
-from agents.common.objectives import own_part_losses, per_field_optimizer
 from agents.registry import AGENTS
 from agents.sac import SAC, SACConfig
 from sebulba import target_network
 from sebulba.agent import combine_partitions
 from sebulba.experience.transitions import n_step_transitions
+from sebulba.objectives import own_part_losses, per_field_optimizer
 from sebulba.runtime.learner import per_learner_device
+from sebulba.runtime.sharding import own_key
 from sebulba.types import ActorOutput, EnvStep, Trajectory
 
 # The tanh-squashed Gaussian.
@@ -275,7 +275,7 @@ def test_replay_ratio_warm_up_and_learner_devices(no_leftovers):
     # Every learner device counts the run's env steps; the first 200 were warm-up, when
     # the learner skipped its steps: learning starts in the update that reaches 200.
     # (the result holds the first learner device's replica).
-    assert int(exp.env_steps) == E * T * trajectories
+    assert int(exp.received.env_steps) == E * T * trajectories
     warm_updates = -(-200 // (E * T * K))
     steps = int(result.state.nets.gradient_steps)
     assert steps == K * U * (result.learner_updates - warm_updates + 1), steps

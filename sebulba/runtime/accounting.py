@@ -30,6 +30,24 @@ LAG_WINDOW = 100_000
 class Accounting:
     """Thread-safe counters shared by the inferencer threads and the learner.
 
+    The live source of `RunResult`'s figures (`UpdateInfo.accounting` during a run), in
+    env steps of this process (agent steps with several agents per env):
+
+    Attributes:
+      env_steps: env steps taken by the env groups so far (reset steps included).
+      consumed: env steps in the trajectories the learner has taken.
+      dropped: env steps in trajectories dropped from a full queue.
+      trajectories_consumed, trajectories_dropped: the same, in trajectories (one env
+        group's cycle each).
+      episodes, episodes_total: (env_steps when counted, return, length) of the most
+        recent episodes; all of the run's, counted.
+      longest_episode: the run's longest episode, in env steps.
+      policy_lags, lag_sum, lag_max: policy lag (learner updates) of the most recent
+        consumed trajectories; its sum and maximum over the run.
+      stage_seconds: seconds per stage, summed over threads (`RunResult.stage_seconds`).
+      padding_steps, team_episodes, team_episodes_total: multi-agent envs' padding rows
+        and env (team) episodes (`RunResult.padding_steps`, `RunResult.team_episodes`).
+
     Memory is bounded: `episodes`, `team_episodes` and `policy_lags` hold the most recent
     `EPISODE_WINDOW` / `LAG_WINDOW` records; `episodes_total`, `team_episodes_total`,
     `lag_sum` and `lag_max` cover the whole run.
@@ -154,15 +172,19 @@ class RunResult:
       policy_lags: per consumed trajectory (the most recent `LAG_WINDOW`), in learner
         updates: the learner's updates when it consumed the trajectory minus its updates
         when it published the networks that acted (0: the freshest networks possible).
-      stage_seconds: summed over threads: env_step, inference, shard, queue_put (wait
-        for room), queue_get (learner waiting), update_experience, optimize;
-        wait_for_networks (lockstep acting waiting for the learner).
+      stage_seconds: seconds per stage, summed over threads. The inferencers':
+        env_step, inference (the acting call and the fetch of its action), record
+        (writing steps into the cycle's host buffers), shard (the trajectory to the
+        learner devices), queue_put (waiting for room), wait_for_networks (lockstep
+        acting waiting for the learner). The learner's: queue_get (waiting for
+        trajectories), update_experience, optimize.
       learner_updates: learner updates of this run (one update_experience each, on
         `trajectories_per_update` trajectories joined; the unit of policy lag); a
         resumed run's learner version is its `run(learner_updates=)` plus these.
-      optimizer_steps: optimizer steps run (learner_updates x
-        num_off_policy_optims_per_cycle(), skipped warm-up steps included, less
-        `optimizer_steps_cut`).
+      optimizer_steps: optimizer (gradient) steps run: learner_updates x
+        `Agent.optimizer_steps_per_update(layout)` (`num_off_policy_optims_per_cycle()`
+        unless the agent derives it from the layout), the steps of updates that
+        `Agent.ready_to_learn` held back included, less `optimizer_steps_cut`.
       optimizer_steps_cut: optimizer steps left out of a last update cut short to stop
         by a stop event's deadline (see `Sebulba.run`'s `stop`).
       metrics: the learner's last metrics (floats).
@@ -183,6 +205,10 @@ class RunResult:
       evaluations: the evaluations during training (`Config.eval_every_updates`),
         oldest first (`sebulba.runtime.evaluator.Evaluation`).
       evaluator_env_steps: env steps the evaluator took (not part of `env_steps`).
+      episodes_total: the run's completed episodes, all counted.
+      lag_count, lag_sum, lag_max: trajectories consumed over the whole run, and the sum
+        and maximum of their policy lags (`policy_lags` keeps only the most recent).
+      num_processes: processes of the run (1 unless distributed).
     """
 
     env_steps: int
@@ -198,7 +224,7 @@ class RunResult:
     optimizer_steps: int = 0
     optimizer_steps_cut: int = 0
     episodes_total: int = 0
-    lag_count: int = 0  # trajectories consumed: the policy lags' count, sum and maximum
+    lag_count: int = 0
     lag_sum: int = 0
     lag_max: int = 0
     num_processes: int = 1

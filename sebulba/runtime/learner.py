@@ -98,8 +98,9 @@ def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experien
     """One optimizer step on one learner device's entry (inside the learner's shard_map).
 
     Skipped, with everything unchanged, unless `agent.ready_to_learn` holds on every
-    learner device. Metrics are averaged over the devices, with `loss` and `learning`
-    (1 where the step ran) added.
+    learner device. Metrics are averaged over the devices, with `loss` added, and
+    `learning` (1 where the step ran, 0 where it was skipped and every other metric is
+    0) where the agent overrides `ready_to_learn`.
     """
 
     def learn(nets, opt, experience):

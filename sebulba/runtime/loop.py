@@ -38,9 +38,10 @@ class UpdateInfo:
         the unit of policy lag).
       metrics: the learner's metrics of the previous update (name -> float; fetched one
         update late so the learner never waits for the device; empty at first): the
-        agent's, averaged over the learner devices, and `learning`, 1.0 where the update
-        took its optimizer steps and 0.0 where `Agent.ready_to_learn` held it back
-        (a warm-up).
+        agent's, averaged over the learner devices, and `loss`. An agent that overrides
+        `Agent.ready_to_learn` (a warm-up) also gets `learning`: 1.0 where the update
+        took its optimizer steps, 0.0 where `ready_to_learn` held it back (and then
+        every other metric is 0).
       nets: what was just published to the actors, `Agent.acting_nets` of the networks
         (first local learner replica, on device).
       accounting: the run's live `runtime.accounting.Accounting` of this process (env

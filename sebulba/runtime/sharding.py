@@ -32,6 +32,21 @@ def learner_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
     return NamedSharding(learner_mesh(tuple(devices)), P(LEARNER_AXIS))
 
 
+def own_key(key: jax.Array) -> jax.Array:
+    """`key` with the learner device's index folded in, so that devices that start from
+    the same experience (and key) sample independently, e.g. their own replay batches.
+
+    Call it inside an agent's learner functions (`Agent.loss`, `update_experience`);
+    outside the learner's shard_map (a direct call, as in unit tests) the key is used
+    as is.
+    """
+    try:
+        index = jax.lax.axis_index(LEARNER_AXIS)
+    except NameError:
+        return key
+    return jax.random.fold_in(key, index)
+
+
 def local_devices_of(devices: Sequence[jax.Device]) -> list[jax.Device]:
     """The devices of `devices` that belong to this process, in mesh order."""
     return [d for d in devices if d.process_index == jax.process_index()]
