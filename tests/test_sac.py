@@ -284,6 +284,43 @@ def test_replay_ratio_warm_up_and_learner_devices(no_leftovers):
     assert result.metrics["replay_ratio"] == pytest.approx(U / (E * T))
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("vectorization,env,env_kwargs,extra", [
+    ("async", "Pendulum-v1", {}, None),
+    ("envpool_async", "Pendulum-v1", {}, "envpool"),
+    ("pettingzoo", "mpe2.simple_spread_v3", {"max_cycles": 25, "continuous_actions": True},
+     "mpe2"),
+])
+def test_sac_learns_on_the_other_vectorizations_with_box_actions(
+        vectorization, env, env_kwargs, extra, no_leftovers):
+    """Worker processes, EnvPool's by-id recv/send and PettingZoo's K agents per env
+    (sync and EnvPool in order are tested above and in test_envpool.py): every env's
+    transitions reach the replay in the policy's units, and the learner learns after
+    the warm-up. (`vector_entry_point`: no Box-action env id here has a vectorized
+    implementation.)"""
+    if extra:
+        pytest.importorskip(extra, reason=f"{vectorization} with Box actions needs {extra}")
+    spec = sebulba.env_spec(env, env_kwargs, vectorization)
+    config = sebulba.Config(env=env, env_kwargs=env_kwargs, vectorization=vectorization,
+                            envs_per_group=4, steps_per_cycle=8, seed=0)
+    rows = 4 * spec.agents_per_env * 8  # env steps (agent steps) of an update
+    agent = SAC(spec, SACConfig(hidden_sizes=(16,), batch_size=16, replay_capacity=10_000,
+                                learning_starts=3 * rows, replay_ratio=1 / rows))
+    result = sebulba.Sebulba(agent, config).run(rows * 12)
+    assert result.env_steps == result.consumed + result.dropped + result.in_flight
+    replay = result.state.experience.replay
+    size = int(replay.size)
+    assert 0 < size <= result.consumed
+    actions = np.asarray(replay.items.action[:size])
+    assert actions.shape[1:] == spec.action_space.shape
+    assert np.all(np.abs(actions) <= 1.0)  # the policy's units, not the env's bounds
+    assert np.unique(actions).size > size // 2  # random, then sampled: not constant
+    steps = int(result.state.nets.gradient_steps)
+    # The third update reaches learning_starts: one gradient step per update from there.
+    assert steps == result.learner_updates - 3 + 1 > 0, (steps, result.summary())
+    assert np.isfinite(result.metrics["critic_loss"]) and result.metrics["learning"] == 1.0
+
+
 def test_the_replay_ratio_rounds_to_whole_gradient_steps_and_never_to_none(no_leftovers):
     agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(hidden_sizes=(8,), replay_ratio=0.1))
     # 2 processes x 2 trajectories x 8 envs x 4 steps = 128 env steps per update.
