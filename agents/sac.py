@@ -7,10 +7,11 @@ acting, experience, loss, optimizer.
 
 How it fits the Sebulba loop:
 
-- Actions: the policy acts in (-1, 1)^d (tanh of a Gaussian); `step` rescales them
-  linearly to the Box's bounds [low, high], which must be finite. The replay stores
-  them back in (-1, 1), where the critics read them and the target entropy -d is
-  meant (the rescaling only shifts log-probabilities by a constant).
+- Actions: the policy acts in [-1, 1]^d (tanh of a Gaussian, which float32 rounds to
+  +-1 far out); `step` rescales them linearly to the Box's bounds [low, high], which
+  must be finite with low < high. The replay stores them back in [-1, 1], where the
+  critics read them and the target entropy -d is meant (the rescaling only shifts
+  log-probabilities by a constant).
 - Experience: one uniform replay per learner device (`sebulba.experience.replay`,
   sampled with `sample_uniform`), holding `replay_capacity / D` transitions, D the
   run's learner devices: `replay_capacity` counts transitions of the whole run. Every
@@ -31,9 +32,9 @@ How it fits the Sebulba loop:
   `optimizer_steps_per_update` runs round(replay_ratio x that) gradient steps, whatever
   K and the learner devices, and refuses a ratio that rounds to none; the `replay_ratio`
   metric reports the ratio achieved after rounding.
-- Learner devices: each samples `batch_size` transitions from its own replay with its
-  own key; the learner averages the gradients, so a gradient step learns from D x
-  batch_size transitions.
+- Learner devices: each samples `batch_size` transitions from its own replay, and
+  draws the policy's noise, with its own key; the learner averages the gradients, so a
+  gradient step learns from D x batch_size transitions.
 - Three objectives, three optimizers: the networks are `SACNets(actor, critic,
   log_alpha, ...)`; `sebulba.objectives.own_part_losses` makes the critic loss
   train only `critic`, the actor loss only `actor`, the temperature loss only
@@ -81,7 +82,9 @@ class SACConfig:
     Attributes:
       hidden_sizes: ReLU layers of the actor and of each critic.
       discount: per-step discount.
-      n_step: steps of reward before bootstrapping (1: SAC's one-step target).
+      n_step: steps of reward before bootstrapping (1: SAC's one-step target). With
+        n > 1 the target sums the n env rewards and takes the entropy bonus at the
+        bootstrap step only, not the soft n-step return (which adds each step's).
       tau: Polyak rate of the critics' targets, per gradient step.
       actor_learning_rate: Adam step size of the actor.
       critic_learning_rate: Adam step size of the twin critics.
@@ -90,8 +93,9 @@ class SACConfig:
       batch_size: transitions each learner device samples per gradient step.
       replay_capacity: transitions the run's replays hold in total (each of the D
         learner devices of the run holds replay_capacity / D, the newest it received).
-      learning_starts: env steps of the whole run (every env) acted at random before
-        the first gradient step.
+      learning_starts: env steps of the whole run (every env) received before the
+        first gradient step; the actors act at random until its networks reach them
+        (a few more trajectories: those in flight then).
       replay_ratio: gradient steps per env step of the run (every env of every
         process), independent of `Config.trajectories_per_update` and of the learner
         devices. Each learner update runs round(replay_ratio x its env steps) gradient
@@ -131,7 +135,7 @@ class SACConfig:
 
 
 class Actor(nn.Module):
-    """Observations [..., *obs_shape] -> TanhGaussian over actions [..., d] in (-1, 1)."""
+    """Observations [..., *obs_shape] -> TanhGaussian over actions [..., d] in [-1, 1]."""
 
     action_dim: int
     hidden_sizes: Sequence[int]
@@ -182,7 +186,7 @@ class SACStepState(NamedTuple):
 
 
 class SACExperience(NamedTuple):  # one per learner device
-    replay: rp.Replay  # items: Transition, actions in (-1, 1)
+    replay: rp.Replay  # items: Transition, actions in [-1, 1]
     received: warmup.EnvStepCount  # env steps of the whole run received so far
     replay_ratio: jax.Array  # float32 scalar, gradient steps per env step of the run
     key: jax.Array  # typed PRNG key for sampling
@@ -207,6 +211,12 @@ class SAC(sebulba.Agent):
         if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
             raise ValueError(f"SAC rescales actions to the Box's bounds, which must be "
                              f"finite; got low={space.low}, high={space.high}")
+        flat = np.flatnonzero(~(space.low < space.high))
+        if len(flat):
+            raise ValueError(f"SAC rescales actions to the Box's bounds, which need low < "
+                             f"high in every dimension; dimensions {flat.tolist()} have "
+                             f"low={space.low[flat]}, high={space.high[flat]} (a fixed "
+                             "dimension: drop it with an action wrapper)")
         if observations.kind(env_spec.observation_space) != observations.VECTOR:
             raise ValueError(
                 f"SAC's networks are MLPs on vector observations, got "
@@ -226,7 +236,7 @@ class SAC(sebulba.Agent):
             "log_alpha": optax.adam(config.temperature_learning_rate),
         })
 
-    # Action bounds: the policy's (-1, 1) <-> the env's [low, high].
+    # Action bounds: the policy's [-1, 1] <-> the env's [low, high].
 
     def to_env(self, unit_action: jax.Array) -> jax.Array:
         return self.low + 0.5 * (unit_action + 1.0) * (self.high - self.low)
@@ -302,7 +312,7 @@ class SAC(sebulba.Agent):
     # Experience.
 
     def transitions(self, trajectory: Trajectory) -> tuple[Transition, jax.Array]:
-        """The trajectory's transitions, actions in (-1, 1), and which are real."""
+        """The trajectory's transitions, actions in [-1, 1], and which are real."""
         unit = self.from_env(trajectory.actor_outputs.action)
         trajectory = trajectory._replace(
             actor_outputs=trajectory.actor_outputs._replace(action=unit))
@@ -341,9 +351,11 @@ class SAC(sebulba.Agent):
         """Critic, actor and temperature losses of one uniform batch, each
         differentiable in its own part of the networks only."""
         cfg = self.config
-        key, sample_key, critic_key, actor_key = jax.random.split(experience.key, 4)
-        batch = rp.sample_uniform(experience.replay, own_key(sample_key),
-                                  cfg.batch_size).items
+        # Every learner device starts from the same experience key: the carried key stays
+        # common, this step's draws (batch, the policy's noise) are each device's own.
+        key, step_key = jax.random.split(experience.key)
+        sample_key, critic_key, actor_key = jax.random.split(own_key(step_key), 3)
+        batch = rp.sample_uniform(experience.replay, sample_key, cfg.batch_size).items
         actor, critic = self.actor.apply, self.critic.apply
 
         def critic_loss(n: SACNets):

@@ -20,6 +20,7 @@ from agents.registry import AGENTS
 from agents.sac import SAC, SACConfig
 from sebulba import target_network
 from sebulba.agent import combine_partitions
+from sebulba.experience import replay as rp
 from sebulba.experience.transitions import n_step_transitions
 from sebulba.objectives import own_part_losses, per_field_optimizer
 from sebulba.runtime.learner import per_learner_device
@@ -106,6 +107,9 @@ def test_discrete_and_unbounded_action_spaces_are_refused():
         SAC(sebulba.env_spec("CartPole-v1"))
     with pytest.raises(ValueError, match="must be finite"):
         SAC(sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(-np.inf, np.inf, (2,))))
+    fixed = gym.spaces.Box(np.array([-1.0, 0.5, -2.0]), np.array([1.0, 0.5, 2.0]))
+    with pytest.raises(ValueError, match=r"low < high .* dimensions \[1\] have low=\[0.5\]"):
+        SAC(sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,)), fixed))
 
 
 def test_sac_is_registered_for_the_launcher():
@@ -351,6 +355,28 @@ def test_learner_devices_sample_with_their_own_keys():
         lambda k: jax.random.key_data(own_key(jax.random.wrap_key_data(k))), devices, ())
     drawn = np.asarray(draw(keys))
     assert not np.array_equal(drawn[0], drawn[1])
+
+
+def test_each_learner_device_draws_its_own_policy_noise():
+    """Two devices with the same experience (one transition, so the same batch): the
+    entropy estimate of the actor's samples differs, the carried key does not."""
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(hidden_sizes=(8,), batch_size=4))
+    layout = sebulba.Layout(envs_per_group=2, num_groups=1, steps_per_cycle=2,
+                            num_learner_devices=2)
+    nets = agent.new_networks(jax.random.key(0))
+    experience = agent.new_experience_state(nets, jax.random.key(1), layout)
+    items, _ = n_step_transitions(sebulba.zeros_trajectory(agent, nets, 1, 2), 0.99, 1)
+    one = jax.tree.map(lambda x: x[:1] + 0.5, items)
+    experience = experience._replace(replay=rp.insert(experience.replay, one))
+
+    def loss(nets, experience):
+        _, (experience, metrics) = agent.loss(nets, None, experience)
+        return metrics["entropy"], jax.random.key_data(experience.key)
+
+    both = jax.tree.map(lambda x: jnp.stack([x, x]), (nets, experience))
+    entropy, carried = per_learner_device(loss, jax.devices()[:2], ())(*both)
+    assert entropy[0] != entropy[1]
+    assert np.array_equal(carried[0], carried[1])
 
 
 def test_replay_too_small_for_one_update_is_refused():
