@@ -92,12 +92,16 @@ class Config:
         and `RunResult.evaluations`. Process 0 of a multi-process run evaluates.
       eval_episodes: complete episodes per evaluation, one env each (a multi-agent
         env's episodes: its env episodes).
-      eval_greedy: evaluate `Agent.greedy_step` (False: `Agent.step`, sampling).
+      eval_greedy: evaluate `Agent.greedy_step` (False: `Agent.step`, sampling); an
+        agent without `greedy_step` is refused at construction.
       eval_device: the local device index (or device) evaluation runs on; None: the
         first inference device.
       eval_max_share: an evaluation due is skipped while the evaluator's env steps would
-        pass this share of the training's (the next evaluation's estimated as the
-        last's): with the default, evaluation costs at most 2% of the env steps.
+        pass this share of the training's (this process's), the next evaluation's
+        estimated as the larger of the last one's and its envs times the longest training
+        episode; one that runs past the share is abandoned (`RunResult.
+        evaluations_abandoned`). With the default, evaluation costs at most about 2% of
+        the env steps.
       eval_video_dir: record one more episode every `eval_video_every` evaluations to
         this directory (`update_<learner update>.mp4`); the env must render
         (render_mode="rgb_array"). None: no video.
@@ -198,12 +202,14 @@ class Config:
                 "groups the order in which trajectories reach the learner depends on timing")
 
     def _check_evaluation(self, kind: registry.EnvSourceKind) -> None:
-        if not isinstance(self.eval_every_updates, int) or self.eval_every_updates < 0:
+        if (not isinstance(self.eval_every_updates, int) or isinstance(
+                self.eval_every_updates, bool) or self.eval_every_updates < 0):
             raise ValueError(f"eval_every_updates must be an int >= 0 (0: no evaluation), "
                              f"got {self.eval_every_updates!r}")
         _positive("eval_episodes", self.eval_episodes)
         _positive("eval_video_every", self.eval_video_every)
-        if not 0 < self.eval_max_share <= 1:
+        if (not isinstance(self.eval_max_share, int | float)
+                or isinstance(self.eval_max_share, bool) or not 0 < self.eval_max_share <= 1):
             raise ValueError(f"eval_max_share must be a share of the env steps in (0, 1], "
                              f"got {self.eval_max_share!r}")
         if not self.eval_every_updates:

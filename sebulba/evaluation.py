@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +49,21 @@ class EvaluationResult:
         return out
 
 
+class StopFlag(Protocol):
+    """What a `stop` argument needs: a `threading.Event`, or anything with its `is_set`."""
+
+    def is_set(self) -> bool: ...
+
+
+def check_greedy(agent: Agent, greedy: bool, setting: str = "greedy") -> None:
+    """Refuses greedy evaluation of an agent that has no `greedy_step` (`Agent`'s is
+    optional), where it is asked for rather than at the first step it would take."""
+    if greedy and type(agent).greedy_step is Agent.greedy_step:
+        raise ValueError(f"{setting}=True evaluates with Agent.greedy_step, which "
+                         f"{type(agent).__name__} does not define: define it, or set "
+                         f"{setting}=False to evaluate with sampling (Agent.step)")
+
+
 class EpisodeRunner:
     """Runs a policy for complete episodes on one env source of one group, whose recv
     returns every env of it (in any order).
@@ -63,6 +77,7 @@ class EpisodeRunner:
 
     def __init__(self, agent: Agent, source: EnvSource, *, greedy: bool = True,
                  name: str = "evaluation"):
+        check_greedy(agent, greedy)
         if source.num_groups != 1:
             raise ValueError(f"{name} drives one source of one group, got a source of "
                              f"{source.num_groups} groups")
@@ -76,7 +91,7 @@ class EpisodeRunner:
         self._rows = np.arange(source.num_envs)
 
     def run(self, acting_nets: Nets, num_episodes: int, seed: int, *,
-            max_env_steps: int = 10_000_000, stop: threading.Event | None = None,
+            max_env_steps: int = 10_000_000, stop: StopFlag | None = None,
             frames: list[np.ndarray] | None = None, max_frames: int = 1000
             ) -> EvaluationResult | None:
         """`num_episodes` complete episodes of the policy `acting_nets` (what the learner
@@ -165,6 +180,7 @@ def evaluate(
     if kind.evaluate_as is None:
         raise ValueError(f"vectorization {vectorization!r} does not support evaluation "
                          "(its registry entry has evaluate_as=None)")
+    check_greedy(agent, greedy)
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     num_envs = min(num_envs, num_episodes)
@@ -268,7 +284,7 @@ class VideoRecorder:
             close_all(self._sources)
             raise
 
-    def record(self, acting_nets: Nets, seed: int, *, stop: threading.Event | None = None,
+    def record(self, acting_nets: Nets, seed: int, *, stop: StopFlag | None = None,
                max_env_steps: int = 100_000, max_frames: int = 1000
                ) -> tuple[np.ndarray, float] | None:
         """(frames [T, H, W, 3] uint8: the first `max_frames` of the episode, its return)

@@ -16,6 +16,7 @@ import pytest
 import sebulba
 from agents.ppo import PPO, PPOConfig
 from agents.spg import SPG, SPGConfig
+from sebulba.evaluation import evaluate
 from sebulba.metrics import JsonLinesWriter, MultiWriter, Reporter, TensorBoardWriter
 from sebulba.runtime.evaluator import Evaluation
 from tests.conftest import sebulba_threads
@@ -24,10 +25,10 @@ ROLE_CALL = "sebulba.envs.suite.role_call"
 
 
 def run_with_evaluation(steps: int, agent_cls=SPG, agent_config=None, on_update=None,
-                        **config) -> sebulba.RunResult:
+                        learn: bool = True, **config) -> sebulba.RunResult:
     config = sebulba.Config(**{"envs_per_group": 8, "steps_per_cycle": 16, **config})
     agent = agent_cls(config.env_spec(), agent_config or SPGConfig())
-    return sebulba.Sebulba(agent, config).run(steps, on_update=on_update)
+    return sebulba.Sebulba(agent, config).run(steps, on_update=on_update, learn=learn)
 
 
 @pytest.mark.timeout(120)
@@ -43,8 +44,8 @@ def test_evaluations_are_complete_episodes_of_published_networks_at_their_update
     result = run_with_evaluation(12_000, on_update=on_update, eval_every_updates=3,
                                  eval_episodes=5, eval_max_share=1.0)
     evaluations = result.evaluations
-    # how many finish depends on the machine (an offer made while one runs replaces the
-    # one waiting): at least the first
+    # how many finish depends on the machine (an offer made while one runs is passed
+    # over): at least the first
     assert evaluations
     # on_update saw each evaluation once, as it finished; the result keeps them all
     assert [e.learner_update for e in seen] == [e.learner_update for e in evaluations]
@@ -87,7 +88,8 @@ def test_evaluation_costs_at_most_its_share_of_the_env_steps(no_leftovers):
 @pytest.mark.parametrize("video", [False, True])
 def test_an_evaluation_is_estimated_with_the_episode_it_records(tmp_path, video):
     """Two envs and a longest training episode of 100 steps: 200 env steps, and 300
-    where a video episode follows; within a share of 250 only the first is taken."""
+    where a video episode follows; within a share of 250 only the first is taken. The
+    share is of this process's env steps (1,000), not the run's (4,000: 4 processes)."""
     from sebulba.runtime.channels import ErrorBox
     from sebulba.runtime.evaluator import Evaluator
 
@@ -98,7 +100,8 @@ def test_an_evaluation_is_estimated_with_the_episode_it_records(tmp_path, video)
     halt = threading.Event()
     evaluator = Evaluator(agent, config, jax.devices()[0], ErrorBox(halt), halt)
     try:  # never started: offer only decides
-        assert evaluator.offer(1, 1_000, acting, longest_episode=100) is not video
+        assert evaluator.offer(1, 4_000, acting, longest_episode=100,
+                               own_env_steps=1_000) is not video
     finally:
         assert evaluator.close(timeout_s=1.0)
 
@@ -109,17 +112,24 @@ class EvaluatorThreadEnv(gym.Env):
     observation_space = gym.make("CartPole-v1").observation_space
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, sleep_s: float = 0.0, fail: bool = False):
+    def __init__(self, sleep_s: float = 0.0, fail: bool = False, endless: bool = False):
         self.env, self.sleep_s, self.fail = gym.make("CartPole-v1"), sleep_s, fail
+        self.endless, self.steps = endless, 0
 
     def reset(self, *, seed=None, options=None):
+        self.steps = 0
         return self.env.reset(seed=seed)
 
     def step(self, action):
-        if threading.current_thread().name == "sebulba-evaluator":
+        evaluator = threading.current_thread().name == "sebulba-evaluator"
+        if evaluator:
             if self.fail:
                 raise RuntimeError("the evaluation env broke")
             time.sleep(self.sleep_s)
+        if self.endless:  # episodes of 20 steps, none where the evaluator steps it
+            self.steps += 1
+            return (np.zeros(4, np.float32), 1.0, False, self.steps >= 20 and not evaluator,
+                    {})
         return self.env.step(action)
 
 
@@ -140,6 +150,52 @@ def test_a_slow_evaluation_never_holds_up_training_and_is_abandoned_at_the_end(
     # ended promptly: not after the evaluation's minutes (the thread polls the halt)
     assert time.perf_counter() - t0 < 60
     assert "sebulba-evaluator" not in sebulba_threads()
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_that_outruns_the_share_is_abandoned_and_training_goes_on(
+        no_leftovers):
+    # Episodes that never end where the evaluator steps them (a policy that balances for
+    # ever in an env without a time limit): each evaluation is given up once it passes the
+    # share, the next waits for twice its steps, and the run ends as asked.
+    result = run_with_evaluation(30_000, env=lambda: EvaluatorThreadEnv(endless=True),
+                                 eval_every_updates=1, eval_episodes=2, eval_max_share=0.05)
+    assert result.consumed >= 30_000 and not result.stopped_early
+    assert result.evaluations == [] and result.evaluations_abandoned >= 1
+    # Checked once per learner update (128 env steps here): the share holds up to the
+    # steps the evaluator takes in one, a few hundred.
+    assert result.evaluator_env_steps <= 0.05 * result.consumed + 2_000, (
+        result.evaluator_env_steps, result.consumed, result.evaluations_abandoned)
+    # doubling: a handful of tries, not one every update (234 updates)
+    assert result.evaluations_abandoned <= 10
+    assert "abandoned for running past eval_max_share" in result.summary()
+
+
+@pytest.mark.timeout(60)
+def test_networks_that_did_not_change_are_evaluated_once(no_leftovers):
+    # Without learning the published networks stay those of update 0: one evaluation
+    # (none if the run ends before it does), not one after every trajectory.
+    result = run_with_evaluation(30_000, learn=False, eval_every_updates=1,
+                                 eval_episodes=2, eval_max_share=1.0)
+    assert result.learner_updates == 0
+    assert [e.learner_update for e in result.evaluations] in ([], [0])
+
+
+class NoGreedySPG(SPG):
+    greedy_step = sebulba.Agent.greedy_step  # as an agent that never defined it
+
+
+def test_greedy_evaluation_of_an_agent_without_greedy_step_is_refused_at_construction():
+    config = sebulba.Config(eval_every_updates=100)
+    agent = NoGreedySPG(config.env_spec())
+    with pytest.raises(ValueError, match="eval_greedy=True evaluates with Agent.greedy_step, "
+                       "which NoGreedySPG does not define: define it, or set "
+                       r"eval_greedy=False to evaluate with sampling \(Agent.step\)"):
+        sebulba.Sebulba(agent, config)
+    sebulba.Sebulba(agent, dataclasses.replace(config, eval_greedy=False))  # sampling is fine
+    nets = agent.new_networks(jax.random.key(0))
+    with pytest.raises(ValueError, match="greedy=True evaluates with Agent.greedy_step"):
+        evaluate(agent, nets, "CartPole-v1", 1)
 
 
 @pytest.mark.timeout(120)
@@ -234,6 +290,8 @@ def test_videos_of_an_env_that_cannot_render_are_refused_before_training(tmp_pat
 
 @pytest.mark.parametrize("field,value,match", [
     ("eval_every_updates", -1, "eval_every_updates must be an int >= 0"),
+    ("eval_every_updates", True, "eval_every_updates must be an int >= 0"),
+    ("eval_max_share", "0.1", r"eval_max_share must be a share .* got '0.1'"),
     ("eval_episodes", 0, "eval_episodes must be an int >= 1"),
     ("eval_max_share", 0.0, r"eval_max_share must be a share of the env steps in \(0, 1\]"),
     ("eval_device", 99, "eval_device has device index 99"),

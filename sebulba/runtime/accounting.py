@@ -204,7 +204,10 @@ class RunResult:
         summed over them).
       evaluations: the evaluations during training (`Config.eval_every_updates`),
         oldest first (`sebulba.runtime.evaluator.Evaluation`).
-      evaluator_env_steps: env steps the evaluator took (not part of `env_steps`).
+      evaluator_env_steps: env steps the evaluator took (not part of `env_steps`),
+        those of abandoned evaluations included.
+      evaluations_abandoned: evaluations given up for running past
+        `Config.eval_max_share` (their networks' episodes outlasted the estimate).
       episodes_total: the run's completed episodes, all counted.
       lag_count, lag_sum, lag_max: trajectories consumed over the whole run, and the sum
         and maximum of their policy lags (`policy_lags` keeps only the most recent).
@@ -238,6 +241,7 @@ class RunResult:
     inferencer_threads: int = 1
     evaluations: list[Any] = dataclasses.field(default_factory=list)
     evaluator_env_steps: int = 0
+    evaluations_abandoned: int = 0
 
     @property
     def team_steps(self) -> int:
@@ -308,6 +312,7 @@ class RunResult:
                if self.agents_per_env > 1 else {}),
             **({"evaluations": len(self.evaluations),
                 "evaluator_env_steps": self.evaluator_env_steps,
+                "evaluations_abandoned": self.evaluations_abandoned,
                 "last_evaluation": self.evaluations[-1].scalars() if self.evaluations
                 else None}
                if self.evaluations or self.evaluator_env_steps else {}),
@@ -345,6 +350,9 @@ class RunResult:
         share = self.evaluator_env_steps / max(self.env_steps, 1)
         line = (f"{len(self.evaluations)} evaluations during training, "
                 f"{self.evaluator_env_steps:,} env steps ({share:.1%} of training's)")
+        if self.evaluations_abandoned:
+            line += (f", {self.evaluations_abandoned} more abandoned for running past "
+                     "eval_max_share")
         if self.evaluations:
             last = self.evaluations[-1]
             line += (f"; the last, of update {last.learner_update}: mean return "

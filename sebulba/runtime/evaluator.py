@@ -6,8 +6,11 @@
 The learner offers the networks it just published every `eval_every_updates` updates;
 an offer never waits: it is passed over while an evaluation is under way, and declined
 while the evaluations' env steps, the next one's estimated from the longest training
-episode, would pass `eval_max_share` of the training's, so evaluation costs its own
-work and never a wait. The thread runs `eval_episodes` complete
+episode, would pass `eval_max_share` of the training's (this process's: only process 0
+evaluates, and the others wait for it at the learner's collectives), so evaluation costs
+its own work and never a wait. An evaluation that runs past that share (a policy whose
+episodes outlast the estimate, or never end) is abandoned, not reported, and the next
+one waits for twice the env steps it had taken. The thread runs `eval_episodes` complete
 episodes (`sebulba.evaluation.EpisodeRunner`) per evaluation, on envs of its own made
 like the run's, and every `eval_video_every`-th evaluation records one more episode to
 `eval_video_dir`. An error in it stops the run like any thread's.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import threading
 import time
 
@@ -31,8 +35,9 @@ from sebulba.evaluation import EpisodeRunner, EvaluationResult, VideoRecorder, s
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox
 from sebulba.types import Nets
 
-# Evaluation envs are seeded from the run's seed plus this: apart from the training
-# envs' seeds (`Sebulba._env_seed`) for any run of fewer rows.
+# Evaluation envs are seeded from the run's seed plus this (plus the evaluation's
+# number): apart from the training envs' first seeds (`Sebulba._env_seed`), which move on
+# with each resume.
 EVAL_SEED = 1_000_003
 
 
@@ -42,8 +47,9 @@ class Evaluation:
 
     Attributes:
       learner_update: the learner update whose networks were evaluated.
-      env_steps: the run's env steps consumed (all processes) when they were published:
-        the step training curves are drawn against.
+      env_steps: the run's env steps consumed (all processes) when they were published,
+        counted from this run's start (a resumed run's curves add the steps before it:
+        `Reporter`'s step offset).
       result: the episodes' returns and lengths.
       seconds: how long the evaluation took.
       video: the path of the episode recorded after it, if any.
@@ -78,7 +84,7 @@ class Evaluator:
 
     `start()` starts the thread; `close()` ends it (an evaluation under way is
     abandoned) and closes its envs. `take()` returns the evaluations finished since the
-    last call.
+    last call; `abandoned` counts those given up for running past the share.
     """
 
     def __init__(self, agent: Agent, config: Config, device: jax.Device, errors: ErrorBox,
@@ -109,6 +115,11 @@ class Evaluator:
         self._evaluations = 0
         self._last_steps = 0  # the env steps of the last evaluation (its video included)
         self._busy = False  # networks taken and not evaluated yet
+        self._last_taken = -1  # the learner update of the networks taken last
+        self._allowed = 0.0  # the evaluator's env steps the share allows, at the last offer
+        self._abandon = threading.Event()  # set by `offer`: the evaluation under way is over
+        self._stop = _AnyOf(halt, self._abandon)
+        self.abandoned = 0
         self.thread = threading.Thread(target=self._main, name="sebulba-evaluator", daemon=True)
 
     @property
@@ -120,11 +131,16 @@ class Evaluator:
         self.thread.start()
 
     def offer(self, learner_update: int, env_steps: int, acting_nets: Nets,
-              longest_episode: int) -> bool:
+              longest_episode: int, own_env_steps: int) -> bool:
         """Hands networks to evaluate (copied to the evaluator's device, asynchronously);
-        never waits. Taken only every `eval_every_updates` updates, while no evaluation
-        is under way, and when the evaluations' env steps would stay within
-        `eval_max_share` of the training's `env_steps`; whether taken.
+        never waits. Taken only every `eval_every_updates` updates, once per update
+        (networks that did not change since are not evaluated again), while no
+        evaluation is under way, and when the evaluations' env steps would stay within
+        `eval_max_share` of `own_env_steps`, this process's training env steps; whether
+        taken. `env_steps`, the run's (every process's), dates the evaluation.
+
+        Called after every learner update: an evaluation under way that has passed the
+        share is abandoned here.
 
         The next evaluation is estimated at the larger of the last one's env steps and
         its envs (rows; with the video env's where it records an episode) times
@@ -132,15 +148,20 @@ class Evaluator:
         env until its longest episode ends. Before any training episode has ended there
         is no estimate, and nothing is taken."""
         cfg = self.config
-        if learner_update % cfg.eval_every_updates or self._busy:
+        self._allowed = cfg.eval_max_share * own_env_steps
+        if self._busy:
+            if self.env_steps > self._allowed:
+                self._abandon.set()
+            return False
+        if learner_update % cfg.eval_every_updates or learner_update == self._last_taken:
             return False
         rows = self.runner.source.num_envs
         if self._video is not None and self._evaluations % cfg.eval_video_every == 0:
             rows += self._video.runner.source.num_envs  # the episode recorded after it
         estimate = max(self._last_steps, rows * longest_episode)
-        if not estimate or self.env_steps + estimate > cfg.eval_max_share * env_steps:
+        if not estimate or self.env_steps + estimate > self._allowed:
             return False
-        self._busy = True  # until the thread has evaluated them
+        self._busy, self._last_taken = True, learner_update  # busy until evaluated
         self._offered.append((learner_update, env_steps,
                               jax.device_put(acting_nets, self.device)))
         return True
@@ -178,28 +199,50 @@ class Evaluator:
 
     def _evaluate(self, learner_update: int, env_steps: int, nets: Nets) -> Evaluation | None:
         cfg, start_steps, t0 = self.config, self.env_steps, time.perf_counter()
+        self._abandon.clear()  # an offer may have set it as the last evaluation ended
         seed = cfg.seed + EVAL_SEED + self._evaluations
-        result = self.runner.run(nets, cfg.eval_episodes, seed, stop=self._halt)
+        # No step limit of its own: the share bounds it (`offer` abandons it).
+        result = self.runner.run(nets, cfg.eval_episodes, seed, stop=self._stop,
+                                 max_env_steps=sys.maxsize)
         if result is None:
+            if not self._halt.is_set():
+                self._abandoned(start_steps)
             return None
         seconds = time.perf_counter() - t0
         video = frames = None
         if self._video is not None and self._evaluations % cfg.eval_video_every == 0:
-            recorded = self._video.record(nets, seed, stop=self._halt)
-            if recorded is None:
-                return None
-            frames = recorded[0]
-            video = save_video(frames, cfg.eval_video_dir, f"update_{learner_update:08d}",
-                               self._video.fps)
+            recorded = self._video.record(nets, seed, stop=self._stop,
+                                          max_env_steps=sys.maxsize)
+            if recorded is not None:  # else the episodes stand, without their video
+                frames = recorded[0]
+                video = save_video(frames, cfg.eval_video_dir,
+                                   f"update_{learner_update:08d}", self._video.fps)
         self._evaluations += 1
         self._last_steps = self.env_steps - start_steps
         return Evaluation(learner_update, env_steps, result, seconds, video, frames,
                           self._video.fps if self._video is not None else 30)
 
+    def _abandoned(self, start_steps: int) -> None:
+        """An evaluation ran past the share: the next waits for twice its env steps (an
+        estimate that doubles until one fits, so that the abandoned ones cost at most
+        about as much as the one that finishes)."""
+        self.abandoned += 1
+        self._last_steps = max(self._last_steps, 2 * (self.env_steps - start_steps))
+
     def _close_envs(self) -> None:
         close_all(self._sources)
         if self._video is not None:
             self._video.close()
+
+
+class _AnyOf:
+    """Set when any of its events is (a `stop` for `EpisodeRunner.run`)."""
+
+    def __init__(self, *events: threading.Event):
+        self._events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
 
 
 def _one(sources: list) -> object:

@@ -19,6 +19,7 @@ from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
 from sebulba.envs.base import EnvSource, close_all
+from sebulba.evaluation import check_greedy
 from sebulba.runtime import memory, sharding, transfers
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
@@ -142,6 +143,8 @@ class Sebulba:
             raise ValueError(
                 f"the agent was built for {agent.env_spec}, but env {config.env!r} has {spec}"
             )
+        if config.eval_every_updates:
+            check_greedy(agent, config.eval_greedy, "eval_greedy")
         if config.drop_when_full and agent.needs_consecutive_trajectories:
             raise ValueError(
                 f"{type(agent).__name__} joins each env's consecutive trajectories into "
@@ -387,9 +390,9 @@ class Sebulba:
         evaluations finished since the last update."""
         if run.evaluator is None:
             return ()
-        consumed = run.accounting.consumed * self.num_processes
-        run.evaluator.offer(self.learner.updates, consumed, self.learner.published,
-                            run.accounting.longest_episode)
+        own = run.accounting.consumed
+        run.evaluator.offer(self.learner.updates, own * self.num_processes,
+                            self.learner.published, run.accounting.longest_episode, own)
         evaluations = tuple(run.evaluator.take())
         # The result keeps their figures, not their videos' frames (hundreds of MB each).
         run.evaluations.extend(dataclasses.replace(e, video_frames=None) for e in evaluations)
@@ -473,6 +476,7 @@ class Sebulba:
             inferencer_threads=len(run.runners),
             evaluations=run.evaluations,
             evaluator_env_steps=run.evaluator.env_steps if run.evaluator else 0,
+            evaluations_abandoned=run.evaluator.abandoned if run.evaluator else 0,
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:
