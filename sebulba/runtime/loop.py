@@ -259,8 +259,9 @@ class Sebulba:
         run.errors.raise_if_any()
         if still_alive:
             raise RuntimeError(
-                f"threads did not stop within {2 * self.config.shutdown_timeout_s}s (stuck "
-                f"in an env's step, or in its close): {still_alive}")
+                f"threads did not stop within the shutdown's waits of shutdown_timeout_s="
+                f"{self.config.shutdown_timeout_s}s each (two for the inferencers, one for the "
+                f"evaluator; stuck in an env's step, or in its close): {still_alive}")
         return self._result(run, learner_updates)
 
     def check_memory(self) -> None:
