@@ -113,8 +113,6 @@ class EpisodeRunner:
         if leaves:
             step_state = jax.device_put(step_state, leaves[0].device)
         for _ in range(max_env_steps // source.num_envs + 1):
-            if stop is not None and stop.is_set():
-                return None
             ids, env_step, _ = source.recv()
             ended, env_step = _in_env_order(ids, env_step)
             if frames is not None and len(frames) < max_frames:
@@ -124,6 +122,10 @@ class EpisodeRunner:
                     per_env[env].append(episode)
             if all(len(eps) == q for eps, q in zip(per_env, quota, strict=True)):
                 break
+            # Stopped here, between a recv and a send, the source holds no step in flight
+            # and no ended episode unread: the next run's reset starts it clean.
+            if stop is not None and stop.is_set():
+                return None
             output, step_state = self._act(step_state, acting_nets, env_step)
             source.send(np.asarray(output.action), self._rows)
             self.env_steps += source.num_envs

@@ -118,3 +118,47 @@ def test_a_video_of_a_wrapped_env_shows_the_policy_what_it_was_trained_on(tmp_pa
     assert len(result.returns) == 2 and min(result.returns) >= 1
     with pytest.raises(ValueError, match="the agent was built for"):
         evaluate(agent, nets, "CartPole-v1", 2, num_envs=2)
+
+
+class StopAfter:
+    """A stop flag that is set from its n+1-th look on."""
+
+    def __init__(self, looks: int):
+        self.looks = looks
+
+    def is_set(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("vectorization", ["envpool", "pettingzoo"])
+def test_a_stopped_evaluation_leaves_its_source_clean_for_the_next(vectorization):
+    # The evaluator gives up an evaluation that runs past its share and starts the next
+    # on the same source: no step of the last may still be in flight (EnvPool would be
+    # one batch behind from then on), no episode of it left to pop (counted against the
+    # next one's quota).
+    from sebulba.envs import registry
+    from sebulba.evaluation import EpisodeRunner
+
+    pytest.importorskip("envpool" if vectorization == "envpool" else "pettingzoo")
+    env, kwargs, ids = (("CartPole-v1", {}, False) if vectorization == "envpool" else
+                        ("sebulba.envs.suite.role_call", {"episode_length": 3}, True))
+    agent = SPG(sebulba.env_spec(env, vectorization=vectorization, agent_ids=ids,
+                                 env_kwargs=kwargs))
+    acting = agent.acting_nets(agent.new_networks(jax.random.key(0)), 0)
+    request = registry.SourceRequest(env, kwargs, 2, seed=0, agent_ids=ids)
+    [source] = registry.get(vectorization).make_sources(request)
+    try:
+        runner = EpisodeRunner(agent, source)
+        # 3 steps sent, the episodes of the last ended (role_call's after 3 steps)
+        assert runner.run(acting, 8, seed=0, stop=StopAfter(3)) is None
+        source.reset(1)
+        _, env_step, _ = source.recv()
+        assert env_step.first.all()
+        if vectorization == "envpool":  # reset observations, not those of a 4th step
+            assert np.abs(env_step.obs).max() <= 0.05, env_step.obs
+        else:
+            assert source.pop_env_episodes() == []
+    finally:
+        source.close()

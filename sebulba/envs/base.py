@@ -27,8 +27,8 @@ class EnvSource(Protocol):
     `pop_episodes` may be asked after each recv or after many (an in-order loop asks once
     per cycle, a by-id loop after each recv): a source keeps what it has not been asked.
     Episodes end with gymnasium's NEXT_STEP autoreset:
-    the row after a last one is its env's reset (`first`, reward 0), whose action the env
-    ignores. `EpisodeTracker` builds such rows from an env's own outputs.
+    the action sent for an episode's last row is ignored, and the env's next row is its
+    reset (`first`, reward 0). `EpisodeTracker` builds such rows from an env's own outputs.
 
     A multi-agent source also has `padding_steps` (rows of agents that left their episode
     while their env went on) and `pop_team_episodes()`, as `pettingzoo_source` does.
@@ -41,7 +41,8 @@ class EnvSource(Protocol):
     group_size: int
     in_order: bool  # recv returns a whole group, in id order, the groups in turn
 
-    def reset(self, seed: int) -> None: ...
+    def reset(self, seed: int) -> None:
+        """Starts every env anew; called with no step in flight (each send received)."""
     def recv(self) -> tuple[np.ndarray, EnvStep, int]: ...  # ids, their rows, env steps
     def pop_episodes(self) -> list[tuple[float, int]]:
         """(return, length) of the episodes that ended in the rows recv returned since

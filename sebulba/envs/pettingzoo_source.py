@@ -207,6 +207,8 @@ class ParallelEnvSource:
                 self._raise_bad(row, *bad)
 
     def reset(self, seed: int) -> None:
+        self._ended.clear()  # episodes of the envs before the reset, never popped
+        self._team_ended.clear()
         obs = np.zeros((self.num_envs, *self._obs_shape), self._obs_dtype)
         first = np.zeros(self.num_envs, bool)
         terminated = np.zeros(self.num_envs, bool)
