@@ -184,11 +184,11 @@ def test_no_worker_outlives_a_failed_start(no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_closing_kills_a_worker_that_ignores_sigterm(monkeypatch, no_leftovers):
+def test_closing_kills_workers_stuck_in_their_steps(monkeypatch, no_leftovers):
     monkeypatch.setattr(async_workers, "CLOSE_TIMEOUT_S", 0.5)
     vec = make_vector_env(IgnoresSigtermEnv, 2, "async")
     vec.reset(seed=0)
-    vec.step_async(np.ones(2, np.int64))  # stuck in their steps, deaf to SIGTERM
+    vec.step_async(np.ones(2, np.int64))  # stuck in their steps
     processes = list(vec.processes)
     start = time.monotonic()
     close_vector_env(vec)
@@ -197,14 +197,16 @@ def test_closing_kills_a_worker_that_ignores_sigterm(monkeypatch, no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_workers_leave_ctrl_c_to_the_parent(no_leftovers):
-    """Ctrl-C reaches every process of the terminal's group; the parent stops the run,
-    so a worker must not die of it (it would end the run as an env error)."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_workers_leave_ctrl_c_and_sigterm_to_the_parent(signum, no_leftovers):
+    """Ctrl-C reaches every process of the terminal's group, a scheduler's SIGTERM often
+    every process of the job's; the parent stops the run, so a worker must not die of
+    either (it would end the run as an env error)."""
     vec = make_vector_env(functools.partial(CountingEnv, 5), 2, "async")
     try:
         vec.reset(seed=0)
         for p in vec.processes:
-            os.kill(p.pid, signal.SIGINT)
+            os.kill(p.pid, signum)
         time.sleep(0.5)
         obs, *_ = vec.step(np.zeros(2, np.int64))
         np.testing.assert_array_equal(obs[:, 2], [1, 1])

@@ -42,10 +42,11 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _launch(args: list[str]) -> subprocess.Popen:
+def _launch(args: list[str], new_session: bool = False) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.Popen([sys.executable, "-m", "examples.train", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
 
 
 def _wait_until_training(proc: subprocess.Popen, logdir, timeout: float = 120.0) -> None:
@@ -73,14 +74,16 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_128_plus_its_number(signum, 
     # --resume_if_present starts afresh where there is no checkpoint yet
     vectorization = "async" if signum == signal.SIGTERM else "sync"
     proc = _launch([f"--logdir={logdir}", "--resume_if_present",
-                    f"--vectorization={vectorization}", *SMALL])
+                    f"--vectorization={vectorization}", *SMALL], new_session=True)
     try:
         _wait_until_training(proc, logdir)
         workers = _descendants(proc.pid)
         if vectorization == "async":
             assert len(workers) >= 8, workers  # 2 groups x 8 envs
         sent = time.monotonic()
-        proc.send_signal(signum)
+        # To the whole process group, as a terminal's Ctrl-C and a scheduler (SLURM) send
+        # it: the env workers get it too.
+        os.killpg(proc.pid, signum)
         out, err = proc.communicate(timeout=GRACE + 30)
         elapsed = time.monotonic() - sent
     finally:

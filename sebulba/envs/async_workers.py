@@ -161,7 +161,7 @@ class RemoteTraceback(Exception):
 # How long the parent waits for the error report of a worker that replied "failed": the
 # worker puts it on the error queue before it replies, so it is there or on its way.
 ERROR_REPORT_TIMEOUT_S = 10.0
-# How long closing waits for terminated workers before it kills them.
+# How long closing waits for killed workers to be reaped.
 CLOSE_TIMEOUT_S = 5.0
 
 
@@ -172,8 +172,9 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
       exception of its type), with the worker's traceback as its cause;
     - workers dying while it starts are an error naming them (gymnasium's is the bare
       pipe error), and no worker outlives a failed start, whatever the error;
-    - `close(terminate=True)` kills a worker that outlives SIGTERM by `CLOSE_TIMEOUT_S`,
-      where gymnasium would wait for it forever.
+    - `close(terminate=True)` kills the workers (they ignore SIGTERM and SIGINT: the
+      parent decides when they end), where gymnasium's SIGTERM would leave a worker
+      that ignores it, and its join wait for it forever.
     """
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **kwargs: Any):
@@ -229,23 +230,19 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
         self._stop_workers()
 
     def _stop_workers(self) -> None:
-        """Terminates every worker (nothing under way is waited for), closes the pipes and
-        reaps the workers, killing those still alive after `CLOSE_TIMEOUT_S`."""
+        """Kills every worker (nothing under way is waited for), closes the pipes and
+        reaps the workers."""
         # A process whose start failed (an env_fn "spawn" cannot pickle) has no pid.
         processes = [p for p in getattr(self, "processes", []) if p.pid is not None]
         for process in processes:
             if process.is_alive():
-                process.terminate()
+                process.kill()
         for pipe in getattr(self, "parent_pipes", []):
             if pipe is not None:
                 pipe.close()
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():  # it handles or ignores SIGTERM, or is stuck in C
-                process.kill()
-                process.join()
         if hasattr(self, "_state"):
             self._state = gym.vector.async_vector_env.AsyncState.DEFAULT
 
@@ -302,10 +299,12 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
     raises; the env is closed on the way out.
     """
     # The parent decides when a worker ends: Ctrl-C reaches every process of the terminal's
-    # group, and a forked worker inherits the parent's handlers (a graceful SIGTERM stop,
-    # with which `terminate()` would not end it).
+    # group, and a scheduler's SIGTERM often every process of the job's (SLURM's does);
+    # a worker that died of it would fail the run the parent is stopping gracefully. The
+    # parent's forced close kills (SIGKILL); a parent that dies closes the pipe, which
+    # ends the worker at its next command.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent_pipe.close()
     env = None
     try:
