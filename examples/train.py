@@ -386,6 +386,20 @@ def open_checkpoints() -> Checkpointer:
     return Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
 
 
+def check_fresh_start(checkpointer: Checkpointer) -> None:
+    """A run that does not resume must not start in a logdir with checkpoints: its saves
+    up to their latest step would not be written, and a later --resume would continue
+    the earlier run."""
+    if _RESUME.value or _RESUME_IF_PRESENT.value:
+        return
+    steps = checkpointer.all_steps()
+    if steps:
+        raise ValueError(
+            f"--logdir={_LOGDIR.value} holds checkpoints of an earlier run (steps "
+            f"{steps[0]:,} to {steps[-1]:,} in {checkpointer.directory}): pass --resume to "
+            "continue it, or another --logdir to start afresh")
+
+
 def prepare(agent_config, config: sebulba.Config) -> Launch:
     """The loop (the agent checked against the env and the run, nothing compiled), its
     checkpointer and the steps to resume from; a bad combination is a UsageError."""
@@ -398,6 +412,7 @@ def prepare(agent_config, config: sebulba.Config) -> Launch:
                         "layout": run_layout(loop)}
             if _LOGDIR.value:
                 checkpointer = open_checkpoints()
+                check_fresh_start(checkpointer)
             steps, damaged = [], []
             if _RESUME.value or (_RESUME_IF_PRESENT.value and checkpointer.all_steps()):
                 steps, damaged = checkpoint_to_resume(checkpointer, metadata)

@@ -346,8 +346,8 @@ class Checkpointer:
         json.dumps(meta)  # fail here, not inside orbax, on metadata that is not JSON
         with _orbax_errors_held() as held:
             try:
-                self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta),
-                                                                 **items))
+                saved = self._manager.save(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonSave(meta), **items))
                 self._manager.wait_until_finished()
             except Exception as e:
                 self._remove_partial(step)
@@ -356,6 +356,11 @@ class Checkpointer:
                     "the earlier checkpoints are intact") from e
         for record in held.held:
             logging.getLogger("absl").handle(record)
+        if not saved:  # orbax writes no step at or below its latest, and says nothing
+            raise CheckpointSaveError(
+                f"checkpoint {step} was not written: {self.directory} already holds step "
+                f"{self._manager.latest_step()}, and checkpoints only move forward (a run "
+                "that starts afresh needs a directory of its own)")
 
     def _remove_partial(self, step: int, settle_s: float = 0.3, limit_s: float = 10.0) -> None:
         """Removes what a failed save of `step` left: orbax's temporary directory. The

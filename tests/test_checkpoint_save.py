@@ -60,6 +60,22 @@ def partial_dirs(directory) -> list[str]:
 
 
 @pytest.mark.timeout(60)
+def test_a_step_at_or_below_the_latest_is_refused_not_skipped(tmp_path):
+    # Orbax's manager returns False for it and writes nothing: a run that started afresh
+    # in another run's directory would have lost every save up to that run's latest.
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)
+    small = {"w": jnp.ones(10)}
+    checkpointer.save(500, nets=small, opt=(), counters={"consumed": 500},
+                      metadata={"agent": "a"})
+    with pytest.raises(CheckpointSaveError, match=(
+            f"checkpoint 100 was not written: {tmp_path} already holds step 500")):
+        checkpointer.save(100, nets=small, opt=(), counters={"consumed": 100},
+                          metadata={"agent": "a"})
+    assert checkpointer.all_steps() == [500]
+    checkpointer.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_failed_save_names_the_path_and_cause_removes_its_partial_directory(tmp_path):
     checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)
     small = {"w": jnp.ones(10)}

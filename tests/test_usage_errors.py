@@ -151,6 +151,19 @@ def test_resume_without_a_checkpoint_is_an_error_naming_the_directory(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_fresh_run_in_a_logdir_with_checkpoints_is_refused(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+    for step in (512, 1024):
+        checkpointer.save(step, nets={"w": np.ones(3, np.float32)}, opt=(),
+                          counters={"consumed": step}, metadata={})
+    checkpointer.close()
+    assert_usage_error(launcher(f"--logdir={tmp_path}"),
+                       f"--logdir={tmp_path} holds checkpoints of an earlier run (steps 512 "
+                       f"to 1,024 in {tmp_path}/checkpoints): pass --resume to continue it, "
+                       "or another --logdir to start afresh")
+
+
+@pytest.mark.timeout(60)
 def test_resume_refuses_a_checkpoint_of_another_env_before_anything_runs(tmp_path):
     # CartPole-v0 has CartPole-v1's spaces, so every network shape would match. (Other
     # differences, env_kwargs and wrappers, are in test_checkpoint.py.)
