@@ -240,3 +240,17 @@ def test_many_optimizer_steps_per_update_across_devices_do_not_hang():
     assert done.returncode == 0, done.stderr[-2000:]
     steps, w = done.stdout.split()[-2:]
     assert int(steps) == 6 * 64 and float(w) < 0.01  # the steps ran
+
+
+@pytest.mark.parametrize("learners", [1, 2])
+def test_the_learner_state_for_a_checkpoint_outlives_the_next_updates_donation(learners):
+    # `UpdateInfo.learner_state()` hands the local experience over (to a save that may
+    # run later); the learner's next update donates the buffers it was taken from.
+    devices = jax.devices()[:learners]
+    mesh = jax.sharding.Mesh(np.array(devices), ("learners",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("learners"))
+    experience = jax.device_put(jnp.arange(learners * 3.0).reshape(learners, 3), spec)
+    copied = sharding.local_entries(experience)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(experience)
+    assert experience.is_deleted()
+    np.testing.assert_array_equal(copied, np.arange(learners * 3.0).reshape(learners, 3))

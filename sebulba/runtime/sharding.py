@@ -148,9 +148,12 @@ def stack_local(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
 
 def local_entries(tree: PyTree) -> PyTree:
     """This process's entries of global [num_learners, ...] arrays, stacked in mesh order
-    on the first local device: leaves [num_local_learners, ...]."""
+    on the first local device: leaves [num_local_learners, ...], copies that outlive
+    the arrays (which the learner's next update donates)."""
     def gather(x: jax.Array) -> jax.Array:
         shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start)
+        if len(shards) == 1:  # concatenate would hand back the shard's own buffer
+            return jnp.copy(shards[0].data)
         device = shards[0].device
         return jnp.concatenate([jax.device_put(s.data, device) for s in shards])
 
