@@ -597,6 +597,8 @@ class EnvGroupRunner:
                     c = oldest[g]
                     if not self._push_snapshots(g, open_cycles.pop((g, c)), c, initial,
                                                 clock):
+                        # stopping: this batch's env steps are counted, so its episodes
+                        self.accounting.add_episodes(source.pop_episodes())
                         return
                     oldest[g] += 1
                 if complete:
