@@ -176,3 +176,23 @@ def test_the_shipped_kinds_say_what_they_support():
         "envpool": "envpool", "envpool_async": "envpool", "pettingzoo": "pettingzoo"}
     assert sebulba.Config(vectorization="async").action_poll_seconds == 0.0
     assert sebulba.Config(vectorization="sync").action_poll_seconds > 0.0
+
+
+@pytest.mark.timeout(60)
+def test_atari_by_its_vector_entry_point_gives_game_scores_not_clipped_rewards():
+    # ale-py's vector env clips rewards to [-1, 1] by default; Space Invaders' aliens are
+    # worth 5 to 30 points, and the returns every other source reports are game scores.
+    pytest.importorskip("ale_py")
+    from sebulba.envs.gymnasium_source import make_vector_env
+
+    vec = make_vector_env("ALE/SpaceInvaders-v5", 4, "vector_entry_point")
+    try:
+        vec.reset(seed=0)
+        rng = np.random.default_rng(0)
+        rewards = set()
+        for _ in range(400):
+            _, reward, *_ = vec.step(rng.integers(0, vec.single_action_space.n, 4))
+            rewards.update(reward.tolist())
+        assert max(rewards) >= 5, sorted(rewards)
+    finally:
+        vec.close()

@@ -133,7 +133,8 @@ def env_spec(
     """Makes one env to read its spaces, then closes it.
 
     With "vector_entry_point" the spaces are those of the id's own vector env, which may
-    preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames).
+    preprocess (ale-py's AtariVectorEnv emits 84 x 84 grayscale stacks, not RGB frames;
+    its rewards are the game's, unclipped, unless env_kwargs say reward_clipping=True).
     `env_wrappers` (`parse_wrappers`) wrap the env, in order. With `desync_episodes` the
     env must have an episode step limit to cut its first episode at (ValueError if not).
     """
@@ -254,6 +255,11 @@ def make_vector_env(
         if not isinstance(env, str):
             raise ValueError(f"vectorization {vectorization!r} needs an env id, not a factory")
         register_env_family(env)
+        if env.startswith("ALE/"):
+            # ale-py's vector env clips rewards to [-1, 1] unless told not to: episode
+            # returns would be sums of signs, not game scores (every other source's and
+            # the evaluation's). Reward scaling is the agent's.
+            kwargs.setdefault("reward_clipping", False)
         vec = check_env_kwargs(
             env, kwargs, lambda: gym.make_vec(env, num_envs, vectorization, **kwargs))
     elif vectorization in PER_ENV_VECTORIZATIONS:
