@@ -4,6 +4,7 @@ evaluation take it like the shipped ones."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 
 import gymnasium as gym
 import numpy as np
@@ -196,3 +197,22 @@ def test_atari_by_its_vector_entry_point_gives_game_scores_not_clipped_rewards()
         assert max(rewards) >= 5, sorted(rewards)
     finally:
         vec.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_source_that_fails_to_wrap_its_vector_env_leaves_no_worker(monkeypatch,
+                                                                    no_leftovers):
+    # Say the source refuses what the vector env holds: its async workers must end with
+    # the error, not when the garbage collector finds the vector env.
+    from sebulba.envs import gymnasium_source
+
+    class Refusing(gymnasium_source.VectorEnvSource):
+        def __init__(self, vec, *args, **kwargs):
+            raise ValueError("refused")
+
+    monkeypatch.setattr(gymnasium_source, "VectorEnvSource", Refusing)
+    request = SourceRequest("CartPole-v1", {}, 2, num_groups=2, seed=0)
+    with pytest.raises(ValueError, match="refused") as raised:
+        registry.get("async").make_sources(request)
+    # while the traceback, which holds the vector env, is still alive
+    assert raised.traceback and multiprocessing.active_children() == []

@@ -181,18 +181,20 @@ def _either(kinds: Iterable[EnvSourceKind]) -> str:
 def _vector_sources(vectorization: str) -> SourceFactory:
     def make(request: SourceRequest) -> list[EnvSource]:
         sources: list[EnvSource] = []
+        unwrapped: list = []  # made, and not in a source yet: closed on an error too
         try:
             for _ in range(request.num_groups):
-                vec = gymnasium_source.make_vector_env(
+                unwrapped = [gymnasium_source.make_vector_env(
                     request.env, request.group_size, vectorization, request.env_kwargs,
                     request.async_context, request.desync_episodes, request.env_wrappers,
-                    request.check_env_output)
+                    request.check_env_output)]
                 envs_checked = request.check_env_output and (
                     vectorization in gymnasium_source.PER_ENV_VECTORIZATIONS)
                 sources.append(gymnasium_source.VectorEnvSource(
-                    vec, request.check_env_output, request.env, envs_checked))
+                    unwrapped[0], request.check_env_output, request.env, envs_checked))
+                unwrapped = []
         except BaseException:
-            close_all(sources)
+            close_all(sources + unwrapped)
             raise
         return sources
 
@@ -210,14 +212,16 @@ def _gym_check(vectorization: str) -> Callable[[str], None]:
 
 def _pettingzoo_sources(request: SourceRequest) -> list[EnvSource]:
     sources: list[EnvSource] = []
+    unwrapped: list = []  # made, and not in a source yet: closed on an error too
     try:
         for _ in range(request.num_groups):
-            envs = pettingzoo_source.make_parallel_envs(request.env, request.env_kwargs,
-                                                        request.group_size)
+            unwrapped = pettingzoo_source.make_parallel_envs(request.env, request.env_kwargs,
+                                                             request.group_size)
             sources.append(pettingzoo_source.ParallelEnvSource(
-                envs, request.agent_ids, request.check_env_output, request.env))
+                unwrapped, request.agent_ids, request.check_env_output, request.env))
+            unwrapped = []
     except BaseException:
-        close_all(sources)
+        close_all(sources + list(unwrapped))
         raise
     return sources
 

@@ -35,8 +35,8 @@ from sebulba.evaluation import EpisodeRunner, EvaluationResult, VideoRecorder, s
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox
 from sebulba.types import Nets
 
-# Evaluation envs are seeded from the run's seed plus this (plus the evaluation's
-# number): apart from the training envs' first seeds (`Sebulba._env_seed`), which move on
+# Evaluation envs are seeded from the run's seed plus this (then each evaluation's own
+# seeds): apart from the training envs' first seeds (`Sebulba._env_seed`), which move on
 # with each resume.
 EVAL_SEED = 1_000_003
 
@@ -200,7 +200,8 @@ class Evaluator:
     def _evaluate(self, learner_update: int, env_steps: int, nets: Nets) -> Evaluation | None:
         cfg, start_steps, t0 = self.config, self.env_steps, time.perf_counter()
         self._abandon.clear()  # an offer may have set it as the last evaluation ended
-        seed = cfg.seed + EVAL_SEED + self._evaluations
+        # env i of evaluation e starts from seed base + e x envs + i: no two share one
+        seed = cfg.seed + EVAL_SEED + self._evaluations * self.runner.source.num_envs
         # No step limit of its own: the share bounds it (`offer` abandons it).
         result = self.runner.run(nets, cfg.eval_episodes, seed, stop=self._stop,
                                  max_env_steps=sys.maxsize)
