@@ -50,10 +50,10 @@ How it fits the Sebulba loop:
   online network only) and is copied from the online one every `target_update_period`
   optimizer steps that ran (counted in the optimizer state).
 - Exploration: env i of the N acting envs of the whole run uses eps_i =
-  epsilon_base^(1 + epsilon_alpha i / (N - 1)) (Ape-X). `new_step_state` sees only its
-  process's envs, so it offsets i by `jax.process_index()` and takes N as its envs
-  times `jax.process_count()` (every process runs the same layout). Evaluation uses
-  `greedy_step`.
+  epsilon_base^(1 + epsilon_alpha i / (N - 1)) (Ape-X). `new_step_state` is asked for
+  the run's N envs (with several processes the loop keeps each process's rows of
+  them), so i and N are its own; the experience finds an env's slot from i modulo the
+  envs of one process. Evaluation uses `greedy_step`.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class R2D2StepState(NamedTuple):
     core: networks.CoreState  # leaves [E, ...]: the state before acting on the next step
     key: jax.Array  # [E] typed PRNG keys
     epsilon: jax.Array  # [E] float32 exploration rate of each env
-    env_index: jax.Array  # [E] int32 index of the env in its process (finds its slot)
+    env_index: jax.Array  # [E] int32 index of the env in the run (finds its slot)
 
 
 class Sequence(NamedTuple):
@@ -270,6 +270,7 @@ class R2D2Experience(NamedTuple):
     reward_moments: dict  # running moments of the rewards received (normalization)
     envs_per_group: jax.Array  # int32 scalar, E of the layout (to find an env's slot)
     envs_per_shard: jax.Array  # int32 scalar, E / D: rows of one trajectory on a device
+    envs_per_process: jax.Array  # int32 scalar, the envs of one process (all its groups)
     key: jax.Array  # typed PRNG key for sampling
 
 
@@ -302,15 +303,14 @@ class R2D2(sebulba.Agent):
 
     def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> R2D2StepState:
         cfg = self.config
-        # Every process has num_envs envs; its envs are a slice of the run's N.
-        total = num_envs * jax.process_count()
-        index = jax.process_index() * num_envs + jnp.arange(num_envs)
-        epsilon = cfg.epsilon_base ** (1.0 + cfg.epsilon_alpha * index / max(total - 1, 1))
+        # The run's envs: the loop keeps each process's rows of them.
+        index = jnp.arange(num_envs, dtype=jnp.int32)
+        epsilon = cfg.epsilon_base ** (1.0 + cfg.epsilon_alpha * index / max(num_envs - 1, 1))
         return R2D2StepState(
             core=self.network.initial_state(num_envs),
             key=jax.random.split(key, num_envs),
             epsilon=epsilon.astype(jnp.float32),
-            env_index=jnp.arange(num_envs, dtype=jnp.int32),
+            env_index=index,
         )
 
     def new_opt_state(self, nets: Nets, key: jax.Array) -> R2D2OptState:
@@ -356,6 +356,7 @@ class R2D2(sebulba.Agent):
             reward_moments=normalization.new_moments(()),
             envs_per_group=jnp.asarray(layout.envs_per_group, jnp.int32),
             envs_per_shard=jnp.asarray(rows, jnp.int32),
+            envs_per_process=jnp.asarray(layout.total_envs, jnp.int32),
             key=key,
         )
 
@@ -406,7 +407,7 @@ class R2D2(sebulba.Agent):
         new = jax.tree.map(lambda x: x[:, 1:], trajectory.env_steps)
         experience = experience._replace(reward_moments=normalization.merged(
             experience.reward_moments, new.reward, 2, valid=~new.first))
-        index = initial_step_state.env_index  # [B]
+        index = initial_step_state.env_index % experience.envs_per_process  # [B]
         e, rows = experience.envs_per_group, experience.envs_per_shard
         slot = (index // e) * rows + (index % e) % rows  # [B]
         # How many earlier rows of this update belong to the same env: 0 for all rows

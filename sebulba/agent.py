@@ -123,7 +123,11 @@ class Agent(abc.ABC):
 
     @abc.abstractmethod
     def new_step_state(self, nets: Nets, key: jax.Array, num_envs: int) -> StepState:
-        """Per-env acting state (recurrent state, RNG, counters) for `num_envs` envs."""
+        """Per-env acting state (recurrent state, RNG, counters) for `num_envs` envs (rows).
+
+        With several processes the loop asks for every env of the run and keeps each
+        process's rows of it, so that a run acts alike however many processes share it:
+        an agent that tells envs apart by their index sees the run's index."""
 
     @abc.abstractmethod
     def new_opt_state(self, nets: Nets, key: jax.Array) -> OptState:

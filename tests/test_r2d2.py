@@ -14,6 +14,7 @@ from agents.common.value_rescaling import rescale
 from agents.r2d2 import R2D2, R2D2Config, Sequence, n_step_returns, q_network
 from sebulba.envs import suite
 from sebulba.experience import replay as rp
+from sebulba.runtime import sharding
 from sebulba.runtime.learner import optimizer_step, per_learner_device
 from sebulba.types import EnvStep, Trajectory
 
@@ -511,3 +512,28 @@ def test_the_value_stream_has_its_own_torso_and_lstm():
     frame_paths = paths(frames, small_config())
     assert not any("value_lstm" in p for p in frame_paths)
     assert any("lstm" in p for p in frame_paths)
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_each_process_of_a_run_explores_at_its_rates_and_fills_its_replay(process):
+    # Two processes of 2 groups x 4 envs: the loop asks for the run's 16 envs' step state
+    # and keeps this process's 8 rows, whose slots must be this process's.
+    E, groups, n = 4, 2, 8
+    agent = R2D2(SPEC, small_config())
+    nets = agent.new_networks(jax.random.key(0))
+    every = agent.new_step_state(nets, jax.random.key(1), 2 * n)
+    state = sharding.slice_env_axis(every, process * n, n)
+    index = process * n + np.arange(n)
+    np.testing.assert_allclose(state.epsilon, 0.4 ** (1 + 7 * index / 15), rtol=1e-6)
+    layout = sebulba.Layout(envs_per_group=E, num_groups=groups,
+                            steps_per_cycle=agent.config.sequence_period,
+                            num_learner_devices=1, num_processes=2)
+    experience = agent.new_experience_state(nets, jax.random.key(2), layout)
+    trajectory = sebulba.zeros_trajectory(agent, nets, E, agent.config.sequence_period)
+    update = jax.jit(agent.update_experience)
+    for _ in range(3):
+        for g in range(groups):
+            initial = sharding.slice_env_axis(state, g * E, E)
+            experience = update(experience, initial, initial, trajectory, nets)
+    # sequences of 8 steps from cycles of 4: each env's 2nd and 3rd cycles end one
+    assert int(experience.replay.size) == groups * E * 2
