@@ -46,7 +46,8 @@ def bootstrapped_returns(
     """Discounted returns to the end of the trajectory, bootstrapped from `value`.
 
     G_t = r_{t+1} + discount * G_{t+1}; at the last step of an episode G is 0 if it
-    terminated and value_t if it was truncated; at the trajectory's end G_T = value_T.
+    terminated and value_t if it was truncated; at the trajectory's end G_T = value_T (0 if
+    step T ended an episode by termination).
 
     Args:
       reward: [T + 1] float, reward[t] follows the action at t - 1.

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 
 class VTraceOutput(NamedTuple):
-    """Leaves [T] (with trailing batch axes if the inputs have them).
+    """Leaves [T] (`vtrace` takes one trajectory: vmap it over a batch).
 
     Attributes:
       vs: V-trace targets v_t of the value V(x_t).
