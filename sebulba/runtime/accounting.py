@@ -189,7 +189,7 @@ class RunResult:
         by a stop event's deadline (see `Sebulba.run`'s `stop`).
       metrics: the learner's last metrics (floats).
       state: final AgentState (nets, opt, experience of the first learner device; the
-        step state of all envs).
+        step state of this process's envs).
       learner_experience: every learner device's experience, leaves [num_learners, ...].
       agents_per_env: K of a multi-agent env (1 otherwise). With K > 1 every step count
         above counts agent steps (rows: K per env step), `episodes` are agents' episodes,

@@ -208,8 +208,9 @@ class Sebulba:
           on_update: called on the learner thread after each learner iteration (for
             progress, logging, checkpoints); an error in it stops the run.
           local_experience: one experience per local learner device, stacked (leaves
-            [num_local_learners, ...], e.g. `RunResult.learner_experience` or a
-            checkpoint); by default every learner device starts from `state.experience`.
+            [num_local_learners, ...]: `UpdateInfo.learner_state()`'s or a checkpoint's,
+            or in a single process `RunResult.learner_experience`); by default every
+            learner device starts from `state.experience`.
           stop: when set (e.g. by a SIGTERM handler: a preemption), the run ends with
             `RunResult.stopped_early`: at once if the learner is waiting for a
             trajectory, else after the learner update under way. A single-process run
@@ -331,11 +332,17 @@ class Sebulba:
             cut=_ConsumedCut(state.step_state, cfg.num_groups, self.rows_per_group),
         )
         if self.num_processes > 1 and progress_timeout_s is not None:
+            # Started first: the learner's start is collective, and a peer may never come.
             run.watchdog = ProgressWatchdog(progress_timeout_s, self.process_index)
-        self.learner.start(sharding.replicate(state.nets, devices),
-                           sharding.replicate(state.opt, devices), experience,
-                           stagings=run.stagings.values(), accounting=run.accounting,
-                           updates=learner_updates)
+        try:
+            self.learner.start(sharding.replicate(state.nets, devices),
+                               sharding.replicate(state.opt, devices), experience,
+                               stagings=run.stagings.values(), accounting=run.accounting,
+                               updates=learner_updates)
+        except BaseException:
+            if run.watchdog is not None:  # it would end the process later on its own
+                run.watchdog.close()
+            raise
         return run
 
     def _start_inferencers(self, run: _Run, step_state: PyTree, learner_updates: int,
@@ -408,7 +415,8 @@ class Sebulba:
             with transfers.guarded("the learner update", self.config.transfer_guard):
                 if learn:
                     learner.update(run.popped, _update_cutter(stop, self.num_processes))
-                stopped = stop is not None and learner.vote_to_stop(stop.is_set())
+                # Every process votes, with a stop event or not: the vote is collective.
+                stopped = learner.vote_to_stop(stop is not None and stop.is_set())
         except RuntimeError as e:  # a collective failed: say who was behind
             if watchdog is None:
                 raise
