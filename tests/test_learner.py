@@ -107,6 +107,20 @@ def test_actors_see_what_acting_nets_publishes_with_the_learner_updates(no_lefto
     assert seen.min() >= 30 - 4 * (2 * 2 + 2)
 
 
+class LearnsWithoutOptimizerSteps(PublishesItsProgress):
+    def optimizer_steps_per_update(self, layout):
+        return 0
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_without_optimizer_steps_still_publishes_each_update(no_leftovers):
+    # (one that learns in its statistics or experience alone): its actors must not act
+    # with the first networks for the whole run.
+    result = counting_loop(LearnsWithoutOptimizerSteps).run(30 * 4 * 3)
+    assert result.learner_updates == 30 and result.optimizer_steps == 0
+    assert np.asarray(result.state.step_state.last_id).min() > 0
+
+
 class NeverReady(CountingAgent):
     def ready_to_learn(self, experience):
         return experience.size > 10**6

@@ -299,6 +299,8 @@ class Learner:
             if metrics is not None:
                 self.publish()
                 self._pending = (self.updates, metrics, self._published_finite)
+            elif not self.optims_per_update:  # an agent that learns in its statistics or
+                self.publish()  # experience alone: its networks still move on
             t2 = time.perf_counter()
         self.accounting.add_time("update_experience", t1 - t0)
         self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)
