@@ -21,6 +21,7 @@ acting, experience, loss.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple
 
 import gymnasium as gym
@@ -107,6 +108,10 @@ class PPOConfig(policy.ActorCriticOptions):
         checks.reals(self, "discount", "gae_lambda", "prio_beta0", low=0.0, high=1.0)
         checks.reals(self, "prio_alpha", low=0.0)
         checks.reals(self, "clip_epsilon", low=0.0, open_low=True)
+        checks.reals(self, "learning_rate", "adam_eps", "max_grad_norm", low=0.0,
+                     high=sys.float_info.max, open_low=True, expected="a finite number > 0")
+        checks.reals(self, "value_cost", "entropy_cost", low=0.0, high=sys.float_info.max,
+                     expected="a finite number >= 0")
 
     def for_actions(self, action_space: gym.Space) -> PPOConfig:
         """This config with the action-space defaults (the fields left at 0) filled in."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import multiprocessing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +14,8 @@ from sebulba.envs import registry
 from sebulba.envs.gymnasium_source import EnvFactory
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
 from sebulba.types import EnvSpec
+
+ASYNC_CONTEXTS = tuple(multiprocessing.get_all_start_methods())
 
 DeviceLike = int | jax.Device
 
@@ -149,23 +153,8 @@ class Config:
         # learner waits for is eventually produced (K > num_groups just takes several
         # cycles of some groups, K items of one group are joined in production order).
         _positive("trajectories_per_update", self.trajectories_per_update)
-        if not isinstance(self.queue_capacity, int) or self.queue_capacity < 0:
-            raise ValueError(f"queue_capacity must be an int >= 0, got {self.queue_capacity!r}")
-        if self.shutdown_timeout_s <= 0:
-            raise ValueError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")
-        poll = self.action_poll_s
-        if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
-                                 or not 0 <= poll <= 1):
-            raise ValueError(f"action_poll_s must be seconds in [0, 1] or None, got {poll!r}")
+        self._check_scalars()
         kind = registry.get(self.vectorization)
-        if not isinstance(self.desync_episodes, bool):
-            raise ValueError(f"desync_episodes must be a bool, got {self.desync_episodes!r}")
-        if not isinstance(self.transfer_guard, bool):
-            raise ValueError(f"transfer_guard must be a bool, got {self.transfer_guard!r}")
-        if not isinstance(self.lockstep, bool):
-            raise ValueError(f"lockstep must be a bool, got {self.lockstep!r}")
-        if not isinstance(self.check_env_output, bool):
-            raise ValueError(f"check_env_output must be a bool, got {self.check_env_output!r}")
         if self.lockstep and self.drop_when_full and self.trajectories_per_update > 1:
             # Lockstep's next cycle waits for the update that learns from this one; a
             # dropped trajectory leaves that update one short for ever (a deadlock the
@@ -200,6 +189,36 @@ class Config:
                 f"(async_factor={self.async_factor} x "
                 f"{len(self.resolved_inference_devices())} inference devices): with several "
                 "groups the order in which trajectories reach the learner depends on timing")
+
+    def _check_scalars(self) -> None:
+        """Types and ranges of the fields no other check reads (bools are not ints here)."""
+        if (not isinstance(self.queue_capacity, int) or isinstance(self.queue_capacity, bool)
+                or self.queue_capacity < 0):
+            raise ValueError(f"queue_capacity must be an int >= 0, got {self.queue_capacity!r}")
+        timeout = self.shutdown_timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                or not 0 < timeout < math.inf):
+            raise ValueError(f"shutdown_timeout_s must be finite seconds > 0, got {timeout!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0 (envs are seeded from it), got "
+                             f"{self.seed!r}")
+        for name in ("drop_when_full", "check_finite", "desync_episodes", "transfer_guard",
+                     "lockstep", "check_env_output", "agent_ids", "eval_greedy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.env_kwargs, Mapping):
+            raise ValueError(f"env_kwargs must be a mapping of keyword arguments, got "
+                             f"{self.env_kwargs!r}")
+        if self.async_context not in ASYNC_CONTEXTS:
+            raise ValueError(f"async_context must be one of {ASYNC_CONTEXTS}, got "
+                             f"{self.async_context!r}")
+        if self.eval_video_dir is not None and not isinstance(self.eval_video_dir, str):
+            raise ValueError(f"eval_video_dir must be a path (str) or None, got "
+                             f"{self.eval_video_dir!r}")
+        poll = self.action_poll_s
+        if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
+                                 or not 0 <= poll <= 1):
+            raise ValueError(f"action_poll_s must be seconds in [0, 1] or None, got {poll!r}")
 
     def _check_evaluation(self, kind: registry.EnvSourceKind) -> None:
         if (not isinstance(self.eval_every_updates, int) or isinstance(
