@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import json
-
 from absl import app, flags
 
 from examples.checkpoints import eval_vectorization, load_policy
 from examples.config_flags import run_main
 from sebulba.envs import registry
 from sebulba.evaluation import evaluate, record_video
+from sebulba.metrics import json_line
 
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "A training --logdir or its checkpoints/ folder.", required=True)
@@ -29,10 +28,16 @@ _VIDEO_DIR = flags.DEFINE_string(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    for flag, low in ((_EPISODES, 1), (_NUM_ENVS, 1), (_SEED, 0)):
+        if flag.value < low:
+            raise app.UsageError(f"--{flag.name} must be >= {low}, got {flag.value}")
     try:
         agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
     except FileNotFoundError as e:
-        raise app.UsageError(f"--checkpoint={_CHECKPOINT.value}: {e}") from None
+        flag = "--step" if _STEP.value is not None and "no checkpoint" in str(e) else (
+            "--checkpoint")
+        value = _STEP.value if flag == "--step" else _CHECKPOINT.value
+        raise app.UsageError(f"{flag}={value}: {e}") from None
     vectorization = eval_vectorization(meta)
     # A video is of one env made from the id: the run's spaces only where the run's kind
     # made each env itself (an id's own vector env may preprocess frames).
@@ -54,7 +59,7 @@ def main(argv: list[str]) -> None:
                                               env_kwargs=meta["env_kwargs"],
                                               env_wrappers=wrappers)
         report["video_dir"] = _VIDEO_DIR.value
-    print(json.dumps(report))
+    print(json_line(report))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import json
 import os
 import re
 import signal
@@ -47,7 +46,7 @@ from sebulba.checkpoint import (
     process_directory,
 )
 from sebulba.envs import registry
-from sebulba.metrics import MultiWriter, Reporter, WandbWriter, default_writers
+from sebulba.metrics import MultiWriter, Reporter, WandbWriter, default_writers, json_line
 from sebulba.runtime import distributed
 from sebulba.runtime.preemption import Preemption
 
@@ -337,6 +336,20 @@ def check_watching_flags() -> None:
                                  "'sebulba[wandb]'") from None
 
 
+def check_flags_that_need_others() -> None:
+    """A flag that would do nothing without another is an error, not ignored."""
+    if (_NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None) and not (
+            _COORDINATOR.value is not None or _DISTRIBUTED.value):
+        raise ValueError(
+            "--num_processes and --process_id join a multi-process run: give "
+            "--coordinator_address (host:port of process 0) or --distributed too; without "
+            "them this process would train alone, as if it were the whole run")
+    if not _LOGDIR.value:
+        for flag in (_CHECKPOINT_EVERY, _KEEP, _SAVE_EXPERIENCE):
+            if flags.FLAGS[flag.name].present:
+                raise ValueError(f"--{flag.name} needs --logdir (where checkpoints go)")
+
+
 def make_config() -> tuple[object, sebulba.Config]:
     """(agent config, run config) from the flags, joining the cluster of a multi-process
     run on the way; a bad value is a UsageError naming its flag."""
@@ -351,6 +364,7 @@ def make_config() -> tuple[object, sebulba.Config]:
             run_values["steps_per_cycle"] = period
         if isinstance(run_values["env"], str):  # Config checks it too, after the cluster
             registry.get(run_values["vectorization"]).check_env(run_values["env"])
+        check_flags_that_need_others()
         # Join the cluster before anything touches JAX devices (Config resolves them).
         if _COORDINATOR.value is not None or _DISTRIBUTED.value:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
@@ -569,7 +583,7 @@ def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) ->
     if jax.process_index() == 0:  # every process has the same networks: report once
         print(result.summary())
         summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}
-        print(json.dumps({"total_consumed": consumed, **summary}))
+        print(json_line({"total_consumed": consumed, **summary}))
     if result.stopped_early:
         # A process stopped by a peer's signal exits as if it had got SIGTERM itself, so
         # a job script can requeue the run on one exit code.

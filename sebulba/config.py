@@ -232,6 +232,9 @@ class Config:
             raise ValueError(f"eval_max_share must be a share of the env steps in (0, 1], "
                              f"got {self.eval_max_share!r}")
         if not self.eval_every_updates:
+            if self.eval_video_dir is not None:
+                raise ValueError(f"eval_video_dir={self.eval_video_dir!r} records episodes of "
+                                 "evaluations during training: it needs eval_every_updates > 0")
             return
         if kind.evaluate_as is None:
             raise ValueError(f"eval_every_updates={self.eval_every_updates}: vectorization "

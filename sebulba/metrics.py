@@ -139,6 +139,20 @@ def _finite_or_none(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def json_line(obj: Any) -> str:
+    """`obj` as one line of strict JSON: NaN and infinities (a mean of no episodes) as
+    null, which every JSON reader takes (Python's NaN is not JSON)."""
+    def strict(x: Any) -> Any:
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, Mapping):
+            return {k: strict(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [strict(v) for v in x]
+        return x
+    return json.dumps(strict(obj), allow_nan=False)
+
+
 class Reporter:
     """An `on_update` callback: writes metrics every `every_seconds`, drives a tqdm bar.
 

@@ -38,6 +38,9 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"async_context": "bogus"}, r"async_context must be one of \(.*'spawn'.*\), got 'bogus'"),
         ({"env_kwargs": [1, 2]}, r"env_kwargs must be a mapping of keyword arguments"),
         ({"eval_video_dir": 3}, r"eval_video_dir must be a path \(str\) or None, got 3"),
+        ({"eval_video_dir": "videos"}, r"eval_video_dir='videos' records episodes of "
+                                       r"evaluations during training: it needs "
+                                       r"eval_every_updates > 0"),
         ({"inference_devices": [7]}, r"inference_devices has device index 7, but this process "
                                      r"has 4 local devices"),
         ({"learner_devices": []}, r"learner_devices must be a non-empty list"),

@@ -62,6 +62,14 @@ def assert_usage_error(result: subprocess.CompletedProcess, message: str) -> Non
     (["--agent=nope"], "flag --agent=nope: value should be one of <impala|ppo|r2d2|sac|spg>"),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--envs_per_group=0"], "--envs_per_group must be an int >= 1, got 0"),
+    (["--seed=-1"], "--seed must be an int >= 0 (envs are seeded from it), got -1"),
+    (["--shutdown_timeout_s=nan"], "--shutdown_timeout_s must be finite seconds > 0, got nan"),
+    (["--ppo_learning_rate=nan"], "--ppo_learning_rate must be a finite number > 0, got nan"),
+    (["--num_processes=2", "--process_id=1"], "--num_processes and --process_id join a "
+     "multi-process run: give --coordinator_address (host:port of process 0) or "
+     "--distributed too"),
+    (["--checkpoint_every_steps=256"], "--checkpoint_every_steps needs --logdir"),
+    (["--keep_checkpoints=1"], "--keep_checkpoints needs --logdir"),
     # Another agent's flag would be ignored.
     (["--agent=spg", "--ppo_learning_rate=0.1"],
      "--ppo_learning_rate is a flag of agent 'ppo', but this run's agent is 'spg' "
@@ -314,3 +322,29 @@ def test_the_run_summary_shows_returns_in_significant_digits(no_leftovers):
                             async_factor=1)
     result = sebulba.Sebulba(CountingAgent(sebulba.env_spec(SmallRewards)), config).run(100)
     assert "mean return (last 10%) 0.0615" in result.summary()  # not 0.1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag,message", [
+    ("--episodes=0", "--episodes must be >= 1, got 0"),
+    ("--num_envs=0", "--num_envs must be >= 1, got 0"),
+    ("--seed=-1", "--seed must be >= 0, got -1"),
+])
+def test_evaluate_refuses_bad_counts_before_loading_anything(tmp_path, flag, message):
+    assert_usage_error(launcher(f"--checkpoint={tmp_path}", flag, module="examples.evaluate"),
+                       message)
+
+
+@pytest.mark.timeout(120)
+def test_the_summary_line_is_strict_json_when_no_episode_ended():
+    # Pendulum's episodes are 200 steps: none ends in 8 envs x 32 steps, and a mean of no
+    # returns is NaN, which Python's json writes but JSON readers refuse.
+    result = launcher("--env=Pendulum-v1", "--envs_per_group=8", "--async_factor=1",
+                      "--total_env_steps=256", "--progress=false", timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    summary = json.loads(result.stdout.strip().splitlines()[-1], parse_constant=refuse)
+    assert summary["episodes"] == 0 and summary["mean_return_last_10pct"] is None
