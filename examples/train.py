@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import re
 import signal
@@ -135,7 +136,22 @@ def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
     return {"agent": agent_name, "agent_config": dataclasses.asdict(agent_config),
             "env": config.env, "env_kwargs": dict(config.env_kwargs),
             "env_wrappers": list(config.env_wrappers),
-            "vectorization": config.vectorization, "agent_ids": config.agent_ids}
+            "vectorization": config.vectorization, "agent_ids": config.agent_ids,
+            "seed": config.seed}
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """The settings a resumed run takes that differ from its checkpoint's (the agent's
+    hyperparameters, the seed): allowed, and said. `saved` went through JSON."""
+    now = json.loads(json.dumps(now))  # tuples as the checkpoint holds them: lists
+    agent, changes = now["agent"], []
+    for field, value in now["agent_config"].items():
+        old = saved.get("agent_config", {}).get(field, value)
+        if old != value:
+            changes.append(f"--{agent}_{field} {old!r} -> {value!r}")
+    if saved.get("seed", now["seed"]) != now["seed"]:
+        changes.append(f"--seed {saved['seed']} -> {now['seed']}")
+    return changes
 
 
 def run_layout(loop: sebulba.Sebulba) -> dict:
@@ -470,6 +486,9 @@ def restore(launch: Launch) -> None:
         kept = "" if launch.local_experience is not None else "; experience starts empty"
         print(f"resumed from {checkpointer.directory} at {launch.consumed:,} env steps, "
               f"learner update {launch.learner_updates:,}{kept}")
+        changes = changed_settings(restored.metadata, launch.metadata)
+        if changes:
+            print(f"settings that differ from the checkpoint's: {', '.join(changes)}")
 
 
 def restore_intact(launch: Launch, state: sebulba.AgentState):

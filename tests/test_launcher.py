@@ -44,13 +44,17 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     assert [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents")]
 
     second = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=6000",
-                 "--checkpoint_every_steps=1000", *SMALL)
+                 "--checkpoint_every_steps=1000", "--ppo_learning_rate=0.001", "--seed=3",
+                 *SMALL)
     assert second.returncode == 0, second.stderr[-3000:]
     # The learner continues: its update count, the envs' step states (acting keys) and
     # PPO's experience (its minibatch key) come from the checkpoint.
     updates = last_json(first.stdout)["learner_updates"]
     assert (f"resumed from {logdir}/checkpoints at {done:,} env steps, learner update "
             f"{updates:,}\n") in second.stdout
+    # changed hyperparameters are taken, and said
+    assert ("settings that differ from the checkpoint's: --ppo_learning_rate 0.00025 -> "
+            "0.001, --seed 0 -> 3\n") in second.stdout
     total = last_json(second.stdout)["total_consumed"]
     assert 6000 <= total < 6000 + 8 * 8 * 2
     assert last_json(second.stdout)["consumed"] == total - done
