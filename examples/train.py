@@ -472,7 +472,8 @@ def restore(launch: Launch) -> None:
     if not launch.resume_steps:
         return
     try:
-        restored, mine = restore_intact(launch, state)
+        with quiet_info():
+            restored, mine = restore_intact(launch, state)
     except ValueError as e:
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
     launch.state = state._replace(
