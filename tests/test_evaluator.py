@@ -112,9 +112,10 @@ class EvaluatorThreadEnv(gym.Env):
     observation_space = gym.make("CartPole-v1").observation_space
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, sleep_s: float = 0.0, fail: bool = False, endless: bool = False):
+    def __init__(self, sleep_s: float = 0.0, fail: bool = False, endless: bool = False,
+                 stepped: threading.Event | None = None):
         self.env, self.sleep_s, self.fail = gym.make("CartPole-v1"), sleep_s, fail
-        self.endless, self.steps = endless, 0
+        self.endless, self.steps, self.stepped = endless, 0, stepped
 
     def reset(self, *, seed=None, options=None):
         self.steps = 0
@@ -125,6 +126,8 @@ class EvaluatorThreadEnv(gym.Env):
         if evaluator:
             if self.fail:
                 raise RuntimeError("the evaluation env broke")
+            if self.stepped is not None:
+                self.stepped.set()
             time.sleep(self.sleep_s)
         if self.endless:  # episodes of 20 steps, none where the evaluator steps it
             self.steps += 1
@@ -137,12 +140,20 @@ class EvaluatorThreadEnv(gym.Env):
 def test_a_slow_evaluation_never_holds_up_training_and_is_abandoned_at_the_end(
         no_leftovers):
     # Each evaluation step takes 0.2 s, so an evaluation takes minutes: training must
-    # go on through it, and the run must end without waiting for it.
+    # go on through it, and the run must end without waiting for it. (The 30th update
+    # waits until the evaluator steps, so that the run cannot end before it starts.)
     updates_during: list[int] = []
+    stepped = threading.Event()
+
+    def on_update(info):
+        updates_during.append(info.version)
+        if info.version == 30:
+            assert stepped.wait(30)
+
     t0 = time.perf_counter()
     result = run_with_evaluation(
-        6_000, on_update=lambda info: updates_during.append(info.version),
-        env=lambda: EvaluatorThreadEnv(sleep_s=0.2), eval_every_updates=1,
+        6_000, on_update=on_update,
+        env=lambda: EvaluatorThreadEnv(sleep_s=0.2, stepped=stepped), eval_every_updates=1,
         eval_max_share=1.0)
     assert result.learner_updates == len(updates_during) >= 40
     assert result.evaluations == []  # none finished: the first was abandoned

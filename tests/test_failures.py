@@ -299,7 +299,7 @@ def _alive(pid: int) -> bool:
     try:  # a zombie has exited; only its parent's wait is missing
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # it went between the two looks
         return False
 
 
