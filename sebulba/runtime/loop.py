@@ -97,9 +97,14 @@ class _ConsumedCut:
         self.final[item.group] = item.final_step_state
 
     def step_state(self) -> PyTree:
+        # On the initial state's device whichever groups were consumed: one placement,
+        # so one compiled concatenation for every run of the loop (a restored state may
+        # be NumPy arrays: the first local device then).
+        first = jax.tree.leaves(self.initial)[0]
+        device = first.device if isinstance(first, jax.Array) else jax.local_devices()[0]
         return _concat_env_axis([
             sharding.unshard_env_axis(self.final[g]) if g in self.final else initial
-            for g, initial in enumerate(self.initial)])
+            for g, initial in enumerate(self.initial)], device)
 
 
 @dataclasses.dataclass
@@ -630,12 +635,10 @@ def _close_quietly(source: EnvSource) -> None:
         source.close()
 
 
-def _concat_env_axis(trees: list[PyTree]) -> PyTree:
-    """Inverse of `sharding.slice_env_axis` over consecutive groups, on the first tree's
-    device."""
+def _concat_env_axis(trees: list[PyTree], device: jax.Device) -> PyTree:
+    """Inverse of `sharding.slice_env_axis` over consecutive groups, on `device`."""
     if not trees:
         return None
-    device = jax.tree.leaves(trees[0])[0].device
 
     def concat(*xs):
         if jnp.ndim(xs[0]) == 0:
