@@ -144,7 +144,7 @@ def json_line(obj: Any) -> str:
     null, which every JSON reader takes (Python's NaN is not JSON)."""
     def strict(x: Any) -> Any:
         if isinstance(x, float):
-            return x if math.isfinite(x) else None
+            return _finite_or_none(x)
         if isinstance(x, Mapping):
             return {k: strict(v) for k, v in x.items()}
         if isinstance(x, list | tuple):
