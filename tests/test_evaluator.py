@@ -266,8 +266,12 @@ def test_videos_are_recorded_every_m_evaluations_to_files_and_tensorboard(tmp_pa
         reporter.close()
     with_video = [e for e in result.evaluations if e.video]
     assert with_video
-    # evaluations 0, 2, 4, ... record one more episode each
-    assert [e.video for e in result.evaluations[::2]] == [e.video for e in with_video]
+    # evaluations 0, 2, 4, ... record one more episode each; the run's end may stop the
+    # last one's recording, and its episodes stand without it
+    due = [e.video for e in result.evaluations[::2]]
+    if len(result.evaluations) % 2 == 1 and due[-1] is None:  # the last one is due
+        due = due[:-1]
+    assert due == [e.video for e in with_video]
     assert all(e.video_frames is None for e in result.evaluations)  # not kept in the result
     assert sorted(os.listdir(videos)) == sorted(os.path.basename(e.video) for e in with_video)
     assert all(os.path.getsize(e.video) > 1000 for e in with_video)
