@@ -112,10 +112,16 @@ class EpisodeTracker:
         self._all_acted = False
         self._returns = np.zeros(num_envs, np.float64)
         self._lengths = np.zeros(num_envs, np.int64)
+        self._envs = np.arange(num_envs)
         # Rows observed, not yet tallied: by id, the last one (ids, reward, first, last);
-        # in order, up to MAX_PENDING of them (reward, first, last).
+        # in order, the first `_pending` rows of these buffers [rows, num_envs] (written
+        # row by row: stacking a cycle's rows at the tally costs more), which grow up to
+        # MAX_PENDING rows as needed.
         self._untallied: tuple | None = None
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending = 0
+        self._pending_reward = np.zeros((0, num_envs), np.float32)
+        self._pending_first = np.zeros((0, num_envs), bool)
+        self._pending_last = np.zeros((0, num_envs), bool)
         self._ended: list[tuple[float, int]] = []
 
     def restart(self) -> None:
@@ -125,7 +131,7 @@ class EpisodeTracker:
         self._returns[:] = 0.0
         self._lengths[:] = 0
         self._untallied = None
-        self._pending = []
+        self._pending = 0
         self._ended = []
 
     def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
@@ -149,7 +155,7 @@ class EpisodeTracker:
         """`observe` for every env in id order (a vector env's step): whole arrays, no
         gathers by id. In the acting loop each numpy call costs 1 to 2 us (the caches
         are cold after an acting call), several times what it costs in a tight loop."""
-        if self._untallied is not None or len(self._pending) >= self.MAX_PENDING:
+        if self._untallied is not None or self._pending == self.MAX_PENDING:
             self._tally()
         first = self._was_last  # a fresh array each step: `last` below replaces it
         terminated = np.asarray(terminated, bool)
@@ -158,10 +164,21 @@ class EpisodeTracker:
         self._was_last = last
         # A copy: the tally comes later, and a source may reuse its buffers.
         reward = np.array(reward, np.float32)
-        self._pending.append((reward, first, last))
+        k = self._pending
+        if k == len(self._pending_reward):
+            self._grow_pending()
+        self._pending_reward[k], self._pending_first[k], self._pending_last[k] = (
+            reward, first, last)
+        self._pending = k + 1
         steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
         return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
                        first), steps
+
+    def _grow_pending(self) -> None:
+        rows = min(self.MAX_PENDING, max(64, 2 * len(self._pending_reward)))
+        self._pending_reward, self._pending_first, self._pending_last = (
+            np.resize(x, (rows,) + x.shape[1:]) for x in
+            (self._pending_reward, self._pending_first, self._pending_last))
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         """(return, length) of the episodes that ended in the rows observed since the last
@@ -192,38 +209,44 @@ class EpisodeTracker:
         difference of two running sums: exact for whole-number rewards, else within the
         float64 rounding of the env's running sum over the rows.
         """
-        rows, self._pending = self._pending, []
-        if len(rows) == 1:  # asked after each recv (an evaluation): a few calls in place
-            self._add_row(self._returns, self._lengths, *rows[0])
+        n, self._pending = self._pending, 0
+        reward, first, last = (self._pending_reward[:n], self._pending_first[:n],
+                               self._pending_last[:n])
+        if n == 1:  # asked after each recv (an evaluation): a few calls in place
+            self._add_row(self._returns, self._lengths, reward[0], first[0], last[0])
             return
-        reward, first, last = (np.stack(x) for x in zip(*rows, strict=True))
-        # Each env's returns and lengths so far enter with its first pending row (unless
-        # it restarts there): an episode under way sums its rewards in the order they
-        # came, as a step-by-step tally would.
-        gains = np.where(first, 0.0, reward.astype(np.float64))
+        # Each env's return so far enters with its first pending row (unless it restarts
+        # there): an episode under way sums its rewards in the order they came, as a
+        # step-by-step tally would.
+        gains = reward.astype(np.float64)
+        gains[first] = 0.0
         gains[0] += np.where(first[0], 0.0, self._returns)
         steps = np.cumsum(gains, axis=0)
-        ones = (~first).astype(np.int64)
-        ones[0] += np.where(first[0], 0, self._lengths)
-        counts = np.cumsum(ones, axis=0)
         if not np.isfinite(steps[-1]).all():
             # An infinite or NaN reward (the output checks off): a difference of running
             # sums would carry it into the env's later episodes. Row by row instead.
-            for row in rows:
+            for row in zip(reward, first, last, strict=True):
                 self._add_row(self._returns, self._lengths, *row)
             return
-        # Each row's latest first row at or before it (-1: none among the pending).
-        start = np.maximum.accumulate(
-            np.where(first, np.arange(len(rows))[:, None], -1), axis=0)
-        restarted = start >= 0
-        at_start = np.maximum(start, 0)
-        returns = np.where(restarted, steps - np.take_along_axis(steps, at_start, axis=0),
-                           steps)
-        lengths = np.where(restarted, counts - np.take_along_axis(counts, at_start, axis=0),
-                           counts)
+        # Each row's latest first row at or before it (-1: none among the pending). Only
+        # the rows that end an episode and the last row need their return and length:
+        # after a restart at row s, steps[t] - steps[s] and t - s; without one, steps[t]
+        # and the length so far + t + 1.
+        start = np.maximum.accumulate(np.where(first, np.arange(n)[:, None], -1), axis=0)
         if last.any():  # in the order observed: row by row, env by env
-            self._ended += zip(returns[last].tolist(), lengths[last].tolist(), strict=True)
-        self._returns, self._lengths = returns[-1].copy(), lengths[-1].copy()
+            t, env = np.nonzero(last)
+            returns, lengths = self._since_start(steps, start[t, env], t, env)
+            self._ended += zip(returns.tolist(), lengths.tolist(), strict=True)
+        self._returns, self._lengths = self._since_start(steps, start[-1], n - 1, self._envs)
+
+    def _since_start(self, steps: np.ndarray, start: np.ndarray, t: np.ndarray | int,
+                     env: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Returns and lengths at rows `t` of envs `env` whose latest first rows are
+        `start` (-1: none), from the running sums `steps` of `_tally_in_order`."""
+        restarted = start >= 0
+        returns = steps[t, env] - np.where(restarted, steps[np.maximum(start, 0), env], 0.0)
+        lengths = np.where(restarted, t - start, self._lengths[env] + t + 1)
+        return returns, lengths
 
     def _add_row(self, returns: np.ndarray, lengths: np.ndarray, reward: np.ndarray,
                  first: np.ndarray, last: np.ndarray) -> None:

@@ -51,6 +51,11 @@ def to_device(tree: PyTree, device: jax.Device, place: str) -> PyTree:
     return tree
 
 
+def is_guarded() -> bool:
+    """Whether this thread is inside `guarded` (its implicit transfers disallowed)."""
+    return getattr(_guarded, "on", False)
+
+
 def to_host(x: jax.Array, place: str) -> np.ndarray:
     """`x` as a NumPy array (waits for it); explicitly inside `guarded`."""
     if _counts is not None:
