@@ -8,6 +8,10 @@ and inference-only throughput (one jitted `agent.step` on the group's observatio
 the action back on the host, call after call). For calibration, the bare loop: the same
 vector env (or pool, pipelined) and jitted step in a loop with no framework at all, no
 trajectory and no accounting (`_util.bare_loop`), what this machine allows such a loop.
+It runs just before and just after each repeat's runs of the loop, and
+`ratio_to_bare_loop` is the median over the repeats of each run's steps/second over
+the mean of those two (`paired_ratios`): on a shared machine whose speed drifts by 10%
+within a minute, a ratio of two medians taken apart spreads by as much.
 Both fetch the action as the loop does by default: polling for it for up to 0.5 ms
 before sleeping on it (not with "async"), since a sleeping thread wakes late.
 
@@ -111,7 +115,22 @@ def main(argv: list[str] | None = None) -> None:
     # The bare loops fetch actions as the loop of their vectorization does by default.
     poll = {v: sebulba.Config(env=ENV_ID, vectorization=v).action_poll_seconds
             for v in args.vectorizations}
+
+    def run_bare(v: str, e: int, af: int, repeat: int) -> None:
+        if v in POOLS:
+            sps = bare_pool_loop(agent, ENV_ID, e, af, vector_steps * af, args.seed,
+                                 poll_s=poll[v])
+        else:
+            sps = bare_loop(agent, lambda: make_vector_env(ENV_ID, e, v), vector_steps,
+                            args.seed, poll_s=poll[v])
+        bare[v, e, af].append(sps)
+        bare_of_repeat[v, e, af].append(sps)
+        emit({"record": "bare_loop", "repeat": repeat, "vectorization": v,
+              "async_factor": af, "envs_per_group": e, "steps_per_second": round(sps, 1)})
+
+    paired = collections.defaultdict(list)  # per configuration: each repeat's ratio
     for repeat in range(args.repeats):
+        bare_of_repeat = collections.defaultdict(list)
         for e in args.envs_per_group:
             for v in args.vectorizations:
                 for af in (args.async_factors if v in POOLS else [1]):
@@ -124,16 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                     emit({"record": "env_only", "repeat": repeat, "vectorization": v,
                           "async_factor": af, "envs_per_group": e,
                           "steps_per_second": round(sps, 1)})
-                    if v in POOLS:
-                        sps = bare_pool_loop(agent, ENV_ID, e, af, vector_steps * af,
-                                             args.seed, poll_s=poll[v])
-                    else:
-                        sps = bare_loop(agent, lambda e=e, v=v: make_vector_env(ENV_ID, e, v),
-                                        vector_steps, args.seed, poll_s=poll[v])
-                    bare[v, e, af].append(sps)
-                    emit({"record": "bare_loop", "repeat": repeat, "vectorization": v,
-                          "async_factor": af, "envs_per_group": e,
-                          "steps_per_second": round(sps, 1)})
+                    run_bare(v, e, af, repeat)
             sps = inference_only(agent, e, vector_steps, args.seed)
             infer[e].append(sps)
             emit({"record": "inference_only", "repeat": repeat, "envs_per_group": e,
@@ -145,7 +155,27 @@ def main(argv: list[str] | None = None) -> None:
             runs[key].append(rec["steps_per_second"])
             cores[key].append(rec["process_cpu_cores"])
             emit({"record": "sebulba", "repeat": repeat, "check_env_output": key[3], **rec})
+        # The bare loops once more, after the loop's runs: each run is compared with the
+        # mean of its bare loop just before and just after it, so that a change of this
+        # machine's speed within the repeat (other VMs, other processes) hits both sides.
+        for v, af, e in dict.fromkeys(
+                (v, af if v in POOLS else 1, e) for v, af, e, _ in loops):
+            run_bare(v, e, af, repeat)
+        for key in order:
+            v, af, e, _ = key
+            around = bare_of_repeat[v, e, af if v in POOLS else 1]
+            paired[key].append(runs[key][-1] / (sum(around) / len(around)))
 
+    emit_summaries(runs, envs, bare, paired, infer, cores)
+    emit_check_ab(loops, runs, cores, args.cycles, args.seed)
+    emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
+
+
+def emit_summaries(runs: dict[tuple, list[float]], envs: dict[tuple, list[float]],
+                   bare: dict[tuple, list[float]], paired: dict[tuple, list[float]],
+                   infer: dict[int, list[float]], cores: dict[tuple, list[float]]) -> None:
+    """One summary per configuration (vectorization, async_factor, envs, checks): the
+    medians of its repeats, its bounds and its ratios to them."""
     for (v, af, e, check), values in runs.items():
         env_sps = median(envs[v, e, af if v in POOLS else 1])
         bare_sps = median(bare[v, e, af if v in POOLS else 1])
@@ -160,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
             "bounded_by": "env" if env_sps <= inf_sps else "inference",
             "ratio_to_bound": ratio(sps, bound),
             "serial_bound": round(serial, 1), "ratio_to_serial_bound": ratio(sps, serial),
-            "bare_loop": bare_sps, "ratio_to_bare_loop": ratio(sps, bare_sps),
+            "bare_loop": bare_sps, "ratio_to_bare_loop": median(paired[v, af, e, check], 3),
+            "paired_ratios": [round(r, 3) for r in paired[v, af, e, check]],
             "bare_loop_to_bound": ratio(bare_sps, bound),
             "bare_loop_to_serial_bound": ratio(bare_sps, serial),
             "process_cpu_cores": median(cores[v, af, e, check], 2),
@@ -169,8 +200,6 @@ def main(argv: list[str] | None = None) -> None:
         if v == "sync":
             summary["meets_target"] = sps >= TARGET_STEPS_PER_SECOND
         emit(summary)
-    emit_check_ab(loops, runs, cores, args.cycles, args.seed)
-    emit({"record": "end", "seconds": round(time.perf_counter() - started, 1)})
 
 
 def emit_check_ab(loops: dict[tuple, Any], runs: dict[tuple, list[float]],
