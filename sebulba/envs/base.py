@@ -114,14 +114,9 @@ class EpisodeTracker:
         self._lengths = np.zeros(num_envs, np.int64)
         self._envs = np.arange(num_envs)
         # Rows observed, not yet tallied: by id, the last one (ids, reward, first, last);
-        # in order, the first `_pending` rows of these buffers [rows, num_envs] (written
-        # row by row: stacking a cycle's rows at the tally costs more), which grow up to
-        # MAX_PENDING rows as needed.
+        # in order, up to MAX_PENDING of them (reward, first, last).
         self._untallied: tuple | None = None
-        self._pending = 0
-        self._pending_reward = np.zeros((0, num_envs), np.float32)
-        self._pending_first = np.zeros((0, num_envs), bool)
-        self._pending_last = np.zeros((0, num_envs), bool)
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._ended: list[tuple[float, int]] = []
 
     def restart(self) -> None:
@@ -131,7 +126,7 @@ class EpisodeTracker:
         self._returns[:] = 0.0
         self._lengths[:] = 0
         self._untallied = None
-        self._pending = 0
+        self._pending = []
         self._ended = []
 
     def observe(self, ids: np.ndarray, obs, reward, terminated, truncated
@@ -155,7 +150,7 @@ class EpisodeTracker:
         """`observe` for every env in id order (a vector env's step): whole arrays, no
         gathers by id. In the acting loop each numpy call costs 1 to 2 us (the caches
         are cold after an acting call), several times what it costs in a tight loop."""
-        if self._untallied is not None or self._pending == self.MAX_PENDING:
+        if self._untallied is not None or len(self._pending) >= self.MAX_PENDING:
             self._tally()
         first = self._was_last  # a fresh array each step: `last` below replaces it
         terminated = np.asarray(terminated, bool)
@@ -164,21 +159,10 @@ class EpisodeTracker:
         self._was_last = last
         # A copy: the tally comes later, and a source may reuse its buffers.
         reward = np.array(reward, np.float32)
-        k = self._pending
-        if k == len(self._pending_reward):
-            self._grow_pending()
-        self._pending_reward[k], self._pending_first[k], self._pending_last[k] = (
-            reward, first, last)
-        self._pending = k + 1
+        self._pending.append((reward, first, last))
         steps = len(first) if self._all_acted else int(np.count_nonzero(self._acted))
         return EnvStep(np.asarray(obs, self._obs_dtype), reward, terminated, truncated,
                        first), steps
-
-    def _grow_pending(self) -> None:
-        rows = min(self.MAX_PENDING, max(64, 2 * len(self._pending_reward)))
-        self._pending_reward, self._pending_first, self._pending_last = (
-            np.resize(x, (rows,) + x.shape[1:]) for x in
-            (self._pending_reward, self._pending_first, self._pending_last))
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         """(return, length) of the episodes that ended in the rows observed since the last
@@ -209,12 +193,13 @@ class EpisodeTracker:
         difference of two running sums: exact for whole-number rewards, else within the
         float64 rounding of the env's running sum over the rows.
         """
-        n, self._pending = self._pending, 0
-        reward, first, last = (self._pending_reward[:n], self._pending_first[:n],
-                               self._pending_last[:n])
-        if n == 1:  # asked after each recv (an evaluation): a few calls in place
-            self._add_row(self._returns, self._lengths, reward[0], first[0], last[0])
+        rows, self._pending = self._pending, []
+        if len(rows) == 1:  # asked after each recv (an evaluation): a few calls in place
+            self._add_row(self._returns, self._lengths, *rows[0])
             return
+        n = len(rows)
+        # np.array of a list of rows: a third of np.stack's cost on small arrays.
+        reward, first, last = (np.array(x) for x in zip(*rows, strict=True))
         # Each env's return so far enters with its first pending row (unless it restarts
         # there): an episode under way sums its rewards in the order they came, as a
         # step-by-step tally would.
@@ -225,7 +210,7 @@ class EpisodeTracker:
         if not np.isfinite(steps[-1]).all():
             # An infinite or NaN reward (the output checks off): a difference of running
             # sums would carry it into the env's later episodes. Row by row instead.
-            for row in zip(reward, first, last, strict=True):
+            for row in rows:
                 self._add_row(self._returns, self._lengths, *row)
             return
         # Each row's latest first row at or before it (-1: none among the pending). Only
