@@ -16,7 +16,7 @@ import pytest
 from jax._src import dispatch
 
 import sebulba
-from sebulba.runtime import sharding
+from sebulba.runtime import sharding, transfers
 from tests.counting_agent import CountingAgent, CountingStepState
 from tests.envs import CountingEnv
 
@@ -184,6 +184,34 @@ def test_shard_env_axis_splits_per_env_leaves_and_replicates_scalars():
     np.testing.assert_array_equal(sharded["n"], [7, 7])
     assert jax.random.key_data(sharded["key"]).shape == (2, 2)
     back = sharding.unshard_env_axis(sharded)
+    np.testing.assert_array_equal(back["x"], tree["x"])
+    assert int(back["n"]) == 7
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_a_one_device_mesh_gets_what_a_transfer_per_device_gives(device):
+    """The one-call placements (the learner mesh one device of one process) match the
+    general path's arrays: shapes, values, sharding, keys; from the mesh's own device and
+    from another (the general path then), and from host arrays with and without the
+    transfer guard (which disallows the one call's implicit transfer)."""
+    mesh = jax.devices()[device:device + 1]
+    tree = {"x": jax.device_put(jnp.arange(8.0).reshape(4, 2), jax.devices()[0]),
+            "key": jax.device_put(jax.random.key(3), jax.devices()[0]),
+            "n": jax.device_put(jnp.int32(7), jax.devices()[0])}
+    host = {"obs": np.arange(24, dtype=np.float32).reshape(4, 3, 2),
+            "done": np.array([[True], [False], [True], [False]])}
+    expected_sharding = sharding.learner_sharding(mesh)
+    placed = [sharding.shard_env_axis(tree, mesh), sharding.shard_host_env_axis(host, mesh)]
+    with transfers.guarded("test"):
+        placed.append(sharding.shard_host_env_axis(host, mesh))
+    for out, source in zip(placed, [tree, host, host], strict=True):
+        for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(source), strict=True):
+            assert x.sharding.is_equivalent_to(expected_sharding, x.ndim)
+            assert x.shape == (1,) + y.shape
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y))
+    back = sharding.unshard_env_axis(placed[0])
     np.testing.assert_array_equal(back["x"], tree["x"])
     assert int(back["n"]) == 7
 

@@ -129,7 +129,8 @@ def shard_env_axis(tree: PyTree, devices: Sequence[jax.Device]) -> PyTree:
     one transfer per learner device (one call in all where the mesh is that device).
     """
     if _one_device_mesh(devices) and all(
-            x.devices() == {devices[0]} for x in jax.tree.leaves(tree)):
+            isinstance(x, jax.Array) and x.devices() == {devices[0]}
+            for x in jax.tree.leaves(tree)):
         return _env_axis_to_learners(tuple(devices), from_host=False)(tree)
     local = local_devices_of(devices)
     pieces = _env_axis_splitter(len(local))(tree)
