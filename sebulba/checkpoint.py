@@ -510,10 +510,34 @@ class Checkpointer:
         self._manager.close()
 
 
+_PART_SUFFIXES = (".npz", ".json", ".npz.tmp", ".json.tmp")  # a process part's files
+
+
+def _flush_to_disk(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sync_directory(directory: str) -> None:
+    """fsync a directory, so that renames in it survive a power loss (where the platform
+    can: not on Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ProcessCheckpointer:
     """One process's own part of a multi-process checkpoint (its envs' step state and its
     learner devices' experience), as one `.npz` of host arrays and one JSON of metadata
-    per step, written to temporary names and renamed, so a step is complete or absent.
+    per step, written to temporary names, flushed to disk and renamed, the JSON last, so
+    a step is complete or absent (also after a power loss). What a save killed midway
+    leaves (a `.tmp`, an `.npz` whose JSON never came) is removed by the next save.
 
     The same `save` / `restore` / `all_steps` as `Checkpointer` for these parts.
     """
@@ -559,17 +583,23 @@ class ProcessCheckpointer:
             raise CheckpointSaveError(
                 f"could not save checkpoint {step} in {self.directory}: {cause_line(e)}; "
                 "the earlier checkpoints are intact") from e
-        for old in self.all_steps()[:-self.max_to_keep]:
-            for suffix in (".json", ".npz"):
-                os.remove(self._path(old, suffix))
+        kept = self.all_steps()[-self.max_to_keep:]
+        for name in os.listdir(self.directory):
+            stem = name.split(".", 1)[0]
+            if stem.isdigit() and int(stem) not in kept and name.endswith(_PART_SUFFIXES):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.directory, name))
 
     def _write(self, step: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         with open(self._path(step, ".npz.tmp"), "wb") as f:
             np.savez(f, **arrays)
+            _flush_to_disk(f)
         os.replace(self._path(step, ".npz.tmp"), self._path(step, ".npz"))
         with open(self._path(step, ".json.tmp"), "w") as f:
             json.dump(meta, f)
+            _flush_to_disk(f)
         os.replace(self._path(step, ".json.tmp"), self._path(step, ".json"))  # the commit
+        _sync_directory(self.directory)  # the renames themselves
 
     def restore(self, *, metadata: Mapping[str, Any], local_experience: PyTree | None = None,
                 step_state: PyTree | None = None, step: int | None = None,

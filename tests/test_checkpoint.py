@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -193,3 +194,12 @@ def test_a_process_s_own_part_round_trips_with_its_keys_and_keeps_the_last_k(tmp
         part.restore(metadata={"agent": "ppo"}, step_state=like_state)
     with pytest.raises(FileNotFoundError, match="no checkpoint 10"):
         part.restore(metadata={"agent": "counting"}, step=10, step_state=like_state)
+    # What saves killed midway leave (an .npz whose JSON never came, temporary files) is
+    # gone after the next save; the kept steps stay whole.
+    for leftover in ("35.npz", "36.npz.tmp", "36.json.tmp"):
+        (tmp_path / "checkpoints_process_1" / leftover).write_bytes(b"partial")
+    part.save(40, counters={"learner_updates": 40}, metadata={"agent": "counting"},
+              step_state=step_state)
+    assert sorted(os.listdir(directory)) == ["30.json", "30.npz", "40.json", "40.npz"]
+    assert part.restore(metadata={"agent": "counting"}, step_state=like_state).counters == {
+        "learner_updates": 40}
