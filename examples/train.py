@@ -580,10 +580,18 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
             save(step, info)
             next_save = step + _CHECKPOINT_EVERY.value
 
+    def on_stop() -> None:
+        """The stop came while the learner waited for a trajectory, after the last
+        update's on_update: its state is saved before the shutdown, not after it."""
+        if own is not None and last_info is not None:
+            step = reporter.global_step(last_info)
+            if step not in own.all_steps():
+                save(step, last_info)
+
     try:
         result = launch.loop.run(
             _TOTAL_ENV_STEPS.value - launch.consumed, launch.state, on_update=on_update,
-            local_experience=launch.local_experience, stop=preemption.event,
+            local_experience=launch.local_experience, stop=preemption.event, on_stop=on_stop,
             progress_timeout_s=_PROGRESS_TIMEOUT.value,
             learner_updates=launch.learner_updates)
         reporter.finish(result.evaluations)

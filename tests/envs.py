@@ -108,6 +108,7 @@ class HangingEnv(CountingEnv):
     the lock the step waits for)."""
 
     release = threading.Event()
+    hanging = threading.Event()  # set once a step hangs (in this process)
 
     def __init__(self, hang_at: int = 20, close_hangs: bool = False):
         super().__init__()
@@ -118,6 +119,7 @@ class HangingEnv(CountingEnv):
     def step(self, action):
         self.steps += 1
         if self.steps == self.hang_at:
+            HangingEnv.hanging.set()
             HangingEnv.release.wait()
         return super().step(action)
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from jax._src import dispatch
 import sebulba
 from sebulba.runtime import sharding, transfers
 from tests.counting_agent import CountingAgent, CountingStepState
-from tests.envs import CountingEnv
+from tests.envs import CountingEnv, HangingEnv
 
 COUNTING = functools.partial(CountingEnv, 5)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,6 +156,47 @@ def test_a_set_stop_event_ends_the_run_after_the_update_under_way(no_leftovers):
 
 
 @pytest.mark.timeout(120)
+def test_a_stop_while_the_learner_waits_calls_on_stop_before_the_shutdown(no_leftovers):
+    """A preempted run saves in on_stop: when the stop comes while the learner waits for
+    a trajectory (here: its env's step hangs), on_stop runs while the inferencer thread
+    is still there, not after the shutdown's waits."""
+    HangingEnv.release.clear()
+    HangingEnv.hanging.clear()
+    stop, seen = threading.Event(), {}
+
+    def stop_once_hanging():
+        if HangingEnv.hanging.wait(60):
+            time.sleep(0.2)  # the learner is waiting for the trajectory by now
+            stop.set()
+
+    def on_stop():
+        seen["alive"] = [t.name for t in threading.enumerate()
+                         if t.name.startswith("sebulba-inferencer")]
+        seen["updates"] = seen.get("last")
+        HangingEnv.release.set()  # lets the thread reach the stop
+
+    def on_update(info):
+        seen["last"] = info.version
+
+    watcher = threading.Thread(target=stop_once_hanging)
+    watcher.start()
+    try:
+        env = functools.partial(HangingEnv, 20)
+        loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)), sebulba.Config(
+            env=env, envs_per_group=4, steps_per_cycle=3, async_factor=1,
+            shutdown_timeout_s=5.0))
+        result = loop.run(10**9, on_update=on_update, stop=stop, on_stop=on_stop)
+    finally:
+        HangingEnv.release.set()
+        watcher.join()
+        HangingEnv.release.clear()
+    assert result.stopped_early
+    assert seen["alive"] == ["sebulba-inferencer-0"]
+    # on_stop came after the last update (its env hung in its 20th step: a few updates)
+    assert seen["updates"] == result.learner_updates >= 3
+
+
+@pytest.mark.timeout(120)
 def test_run_reports_accounting_and_stage_times(no_leftovers):
     result = counting_loop(async_factor=2).run(20 * 4 * 3)
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
@@ -263,7 +305,7 @@ MANY_STEPS_SCRIPT = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import functools, sebulba
-from tests.envs import CountingEnv
+from tests.envs import CountingEnv, HangingEnv
 from tests.test_learner import ManySteps
 env = functools.partial(CountingEnv, 5)
 cfg = sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=3, learner_devices=[0, 1])

@@ -199,6 +199,7 @@ class Sebulba:
         on_update: Callable[[UpdateInfo], None] | None = None,
         local_experience: PyTree | None = None,
         stop: threading.Event | None = None,
+        on_stop: Callable[[], None] | None = None,
         progress_timeout_s: float | None = 600.0,
         learner_updates: int = 0,
     ) -> RunResult:
@@ -224,6 +225,11 @@ class Sebulba:
             counts the steps left out). In a multi-process run every process ends after
             the same update (one update after the first process saw its event), so
             their learner states agree.
+          on_stop: called on the learner thread when `stop` ends the run, before its
+            threads and envs are shut down (which may take up to 2 x
+            `Config.shutdown_timeout_s`): where a preempted run saves its checkpoint,
+            from the last `on_update`'s info, within its grace. An error in it is the
+            run's error.
           progress_timeout_s: a single-process run whose learner waits this long for a
             trajectory while no env steps (an env step that never returns) ends with a
             RuntimeError showing where the inferencer threads are
@@ -260,6 +266,8 @@ class Sebulba:
                                     progress_timeout_s)
             self._update_loop(run, total_env_steps, learn, on_update, stop)
             self.learner.finish()
+            if run.stopped_early and on_stop is not None:
+                on_stop()
         finally:
             still_alive = self._stop(run)
         run.errors.raise_if_any()
