@@ -575,14 +575,18 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
         reporter(info)
         step = reporter.global_step(info)
         # A stopped run saves at once, before its threads and envs are shut down, to
-        # stay within the grace.
-        if own is not None and (step >= next_save or preemption.event.is_set()):
+        # stay within the grace. With several processes the run goes on to the update
+        # they all stop after, and on_stop saves that one, in every process alike: a
+        # part saved here by the signalled process alone would restore nothing.
+        stopping = preemption.event.is_set() and jax.process_count() == 1
+        if own is not None and (step >= next_save or stopping):
             save(step, info)
             next_save = step + _CHECKPOINT_EVERY.value
 
     def on_stop() -> None:
-        """The stop came while the learner waited for a trajectory, after the last
-        update's on_update: its state is saved before the shutdown, not after it."""
+        """The run stopped (a single process: while its learner waited for a trajectory,
+        after the last on_update; several: after the update they all stop after): its
+        state is saved before the shutdown, not after it."""
         if own is not None and last_info is not None:
             step = reporter.global_step(last_info)
             if step not in own.all_steps():
