@@ -90,10 +90,11 @@ def ratio(a: float, b: float) -> float:
 
 
 def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int,
-             groups: int = 1) -> float:
+             groups: int = 1, seconds: float = 0.0) -> float:
     """Steps/second of bare vector envs on uniformly random actions (drawn up front):
     `groups` of them, each stepped by its own thread at once (what double buffering's
-    env groups can do together on this machine, with no inference at all)."""
+    env groups can do together on this machine, with no inference at all), each at least
+    `vector_steps` steps and `seconds` (after 10 steps that warm it up)."""
     import concurrent.futures
 
     import numpy as np
@@ -103,27 +104,30 @@ def env_only(make_vec: Callable[[], Any], vector_steps: int, seed: int,
         for _ in range(groups):
             vecs.append(make_vec())
         rng = np.random.default_rng(seed)
-        actions = [rng.integers(0, v.single_action_space.n, size=(vector_steps + 10,
-                                                                  v.num_envs))
+        actions = [random_actions(v.single_action_space, rng, (vector_steps + 10, v.num_envs))
                    for v in vecs]
         for i, vec in enumerate(vecs):
             vec.reset(seed=seed + i)
             for a in actions[i][:10]:  # async workers finish starting up
                 vec.step(a)
 
-        def steps(vec, a) -> None:
-            for x in a[10:]:
-                vec.step(x)
+        def steps(vec, a, t0: float) -> int:
+            n = 0
+            while n < vector_steps or time.perf_counter() - t0 < seconds:
+                vec.step(a[10 + n % vector_steps])
+                n += 1
+            return n
 
         with concurrent.futures.ThreadPoolExecutor(groups) as pool:
             t0 = time.perf_counter()
-            for done in [pool.submit(steps, v, a) for v, a in zip(vecs, actions, strict=True)]:
-                done.result()  # re-raises an env's error
-            seconds = time.perf_counter() - t0
+            # .result() re-raises an env's error
+            done = [pool.submit(steps, v, a, t0) for v, a in zip(vecs, actions, strict=True)]
+            counts = [d.result() for d in done]
+            elapsed = time.perf_counter() - t0
     finally:
         for vec in vecs:
             vec.close()
-    return sum(v.num_envs for v in vecs) * vector_steps / seconds
+    return sum(v.num_envs * n for v, n in zip(vecs, counts, strict=True)) / elapsed
 
 
 def random_actions(space, rng, shape: tuple[int, ...]):

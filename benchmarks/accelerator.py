@@ -15,10 +15,18 @@ Stages (`--stages` picks some):
   sync envs, acting only) beside its bounds, env-only and inference-only.
 - breakout_ppo, breakout_impala: training on EnvPool Breakout-v5 with the Nature CNN, the
   pool's `num_threads` = `--num_env_threads` (every core steps envs), beside its bounds
-  measured in the same run: the EnvPool alone (the same pool: threads, envs and batch,
-  random actions) and the learner alone (`learner_only`: updates on a fixed trajectory
-  of the training shape).
+  measured in the same run: the envs alone (`env_only`: the same pool, threads, envs and
+  batch, random actions) and the learner alone (`learner_only`: updates on a fixed
+  trajectory of the training shape).
 - halfcheetah_ppo: the same for PPO on EnvPool HalfCheetah-v5 (MLP, Gaussian policy).
+
+Where EnvPool is not installed, or with `--env_source=gymnasium`, the training stages
+and the Nature CNN's latency take the closest source there is (`env_source` in their
+records): ale-py's own C++ vector env for Breakout ("ALE/Breakout-v5", the same 4 x 84 x
+84 frames, `--num_env_threads` threads per group) and gymnasium's MuJoCo HalfCheetah-v5
+in "sync" vector envs; their `env_only` bound is the groups' vector envs stepped at once,
+a thread each. A GPU machine whose image lacks EnvPool can be given them as wheels
+(ale-py's is 3 MB; EnvPool's, with its assets, is more than a call may carry).
 
 Records (JSON lines, also to `--out`): meta, one per stage (a stage that cannot run here
 says `skipped` and why; one that fails says `error`, and the exit status is 1), end
@@ -32,7 +40,7 @@ targets beside the figures (pass/fail on an accelerator; on the CPU they do not 
 A training stage compiles its agent in a warm-up run first; the measured run starts where
 it ended, and its steps/second count from its first env step (`RunResult`). The targets
 (issue 29, on an H100 with 16 CPU cores): Breakout-v5 PPO consumes >= 10,000 env steps/s
-and >= 0.7 of min(EnvPool alone, learner-only); an acting call for 256 envs takes <= 1 ms
+and >= 0.7 of min(envs alone, learner-only); an acting call for 256 envs takes <= 1 ms
 with the Nature CNN and <= 200 us with the MLP (median).
 """
 
@@ -70,6 +78,10 @@ MLP_ENV_ID = "CartPole-v1"
 # The stage's (agent, EnvPool task) of each training stage.
 TRAINING = {"breakout_ppo": ("ppo", BREAKOUT_ID), "breakout_impala": ("impala", BREAKOUT_ID),
             "halfcheetah_ppo": ("ppo", HALFCHEETAH_ID)}
+ENV_SOURCES = ("auto", "envpool", "gymnasium")
+# Without EnvPool: (env id, vectorization, the module it needs) of each EnvPool task.
+GYMNASIUM_SOURCES = {BREAKOUT_ID: ("ALE/Breakout-v5", "vector_entry_point", "ale_py"),
+                     HALFCHEETAH_ID: ("HalfCheetah-v5", "sync", "mujoco")}
 
 # Issue 29's targets, on an H100 with 16 CPU cores.
 LATENCY_TARGET_ENVS = 256
@@ -142,7 +154,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=_stage_list, default=list(STAGES),
                    help=f"comma-separated, of {','.join(STAGES)}")
     p.add_argument("--num_env_threads", type=_positive_int, default=os.cpu_count() or 1,
-                   help="EnvPool's num_threads in the training stages and their bound")
+                   help="EnvPool's (or ale-py's) num_threads in the training stages and "
+                        "their bound")
+    p.add_argument("--env_source", choices=ENV_SOURCES, default="auto",
+                   help="the training stages' envs: EnvPool, gymnasium's (ale-py's vector "
+                        "env, MuJoCo), or auto: EnvPool where it is installed")
     p.add_argument("--envs_per_call", type=_positive_ints, default=[16, 64, 256, 1024],
                    help="acting_latency: envs of one acting call")
     p.add_argument("--latency_seconds", type=_positive_seconds, default=2.0,
@@ -254,8 +270,9 @@ def acting_latency(args: argparse.Namespace) -> dict[str, Any]:
     import sebulba
     from agents.ppo import PPO
 
+    frames, missing = choose_env(BREAKOUT_ID, 1, args.env_source)
     specs = {"mlp": (sebulba.env_spec(MLP_ENV_ID), None),
-             "nature_cnn": _envpool_spec(BREAKOUT_ID, {})}
+             "nature_cnn": (frames and frames.spec, missing)}
     points, skipped = [], {}
     for network, (spec, missing) in specs.items():
         if missing:
@@ -304,22 +321,67 @@ def acting_only(args: argparse.Namespace) -> dict[str, Any]:
             "target_steps_per_second": acting_spg.TARGET_STEPS_PER_SECOND}
 
 
-# Training on EnvPool, beside its bounds.
+# Training on EnvPool (or the closest source), beside its bounds.
 
-def _envpool_spec(task_id: str, env_kwargs: dict[str, Any]) -> tuple[Any, str | None]:
-    """(the spec of EnvPool's `task_id`, None), or (None, why it cannot be made here)."""
-    if importlib.util.find_spec("envpool") is None:
-        return None, "envpool is not installed (pip install 'sebulba[envpool]')"
+@dataclasses.dataclass(frozen=True)
+class EnvChoice:
+    """Where a stage's envs come from: a Config's env, vectorization and env_kwargs, the
+    env spec, and the name the records give the source."""
+
+    env: str
+    vectorization: str
+    env_kwargs: dict[str, Any]
+    spec: Any
+    source: str
+
+
+def choose_env(task_id: str, num_threads: int, source: str = "auto"
+               ) -> tuple[EnvChoice | None, str | None]:
+    """(EnvPool's `task_id` where `source` allows and it is installed, else gymnasium's
+    closest (`GYMNASIUM_SOURCES`), None), or (None, why neither can be made here)."""
     import sebulba
 
-    try:
-        return sebulba.env_spec(task_id, env_kwargs, vectorization="envpool"), None
-    except Exception as e:  # noqa: BLE001 - a missing ROM or asset: say so, run the rest
-        return None, f"EnvPool cannot make {task_id!r}: {type(e).__name__}: {e}"
+    reasons = []
+    if source in ("auto", "envpool"):
+        if importlib.util.find_spec("envpool") is None:
+            reasons.append("envpool is not installed (pip install 'sebulba[envpool]')")
+        else:
+            kwargs = {"num_threads": num_threads}
+            try:
+                spec = sebulba.env_spec(task_id, kwargs, vectorization="envpool")
+                return EnvChoice(task_id, "envpool", kwargs, spec, "envpool"), None
+            except Exception as e:  # noqa: BLE001 - a missing ROM or asset: say so
+                reasons.append(f"EnvPool cannot make {task_id!r}: {type(e).__name__}: {e}")
+    if source in ("auto", "gymnasium"):
+        env, vectorization, module = GYMNASIUM_SOURCES[task_id]
+        kwargs = {"num_threads": num_threads} if module == "ale_py" else {}
+        if importlib.util.find_spec(module) is None:
+            reasons.append(f"{module} is not installed, for gymnasium's {env!r}")
+        else:
+            try:
+                spec = sebulba.env_spec(env, kwargs, vectorization=vectorization)
+                name = "ale_py vector env" if module == "ale_py" else f"gymnasium {vectorization}"
+                return EnvChoice(env, vectorization, kwargs, spec, name), None
+            except Exception as e:  # noqa: BLE001
+                reasons.append(f"gymnasium cannot make {env!r}: {type(e).__name__}: {e}")
+    return None, "; ".join(reasons)
 
 
-def _training_loop(args: argparse.Namespace, agent_name: str, task_id: str, spec,
-                   env_kwargs: dict[str, Any]):
+def _envs_alone(choice: EnvChoice, envs_per_group: int, num_groups: int, seed: int,
+                seconds: float) -> float:
+    """The envs alone on random actions: one EnvPool of every group (batch a group),
+    pipelined; or each group's vector env, stepped at once by a thread each."""
+    if choice.vectorization == "envpool":
+        return envpool_only(choice.env, envs_per_group, num_groups, 10, seed,
+                            dict(choice.env_kwargs), seconds=seconds)
+    from sebulba.envs.gymnasium_source import make_vector_env
+
+    return env_only(lambda: make_vector_env(choice.env, envs_per_group, choice.vectorization,
+                                            choice.env_kwargs),
+                    10, seed, groups=num_groups, seconds=seconds)
+
+
+def _training_loop(args: argparse.Namespace, agent_name: str, choice: EnvChoice):
     import sebulba
     from agents.registry import AGENTS
 
@@ -328,13 +390,14 @@ def _training_loop(args: argparse.Namespace, agent_name: str, task_id: str, spec
     if agent_name == "ppo":
         agent_cfg = dataclasses.replace(agent_cfg, num_epochs=args.ppo_epochs,
                                         num_minibatches=args.ppo_minibatches)
-    elif task_id == BREAKOUT_ID:  # IMPALA on Atari learns from clipped rewards
+    elif choice.spec.observation_space.dtype == "uint8":  # IMPALA on Atari: clipped rewards
         agent_cfg = dataclasses.replace(agent_cfg, reward_clip=1.0)
-    config = sebulba.Config(env=task_id, env_kwargs=env_kwargs, vectorization="envpool",
+    config = sebulba.Config(env=choice.env, env_kwargs=choice.env_kwargs,
+                            vectorization=choice.vectorization,
                             envs_per_group=args.envs_per_group,
                             async_factor=args.async_factor,
                             steps_per_cycle=args.steps_per_cycle, seed=args.seed)
-    return sebulba.Sebulba(entry.build(spec, agent_cfg), config)
+    return sebulba.Sebulba(entry.build(choice.spec, agent_cfg), config)
 
 
 def _run_for(loop, seconds: float, state):
@@ -362,12 +425,11 @@ def _short_of_time(args: argparse.Namespace, after: str) -> str | None:
 def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[str, Any]:
     """Warm-up, the two bounds, then the measured run of `--train_seconds` (shorter if the
     run's budget is short); skipped once that budget cannot hold them."""
-    env_kwargs = {"num_threads": args.num_env_threads}
-    spec, missing = _envpool_spec(task_id, env_kwargs)
+    choice, missing = choose_env(task_id, args.num_env_threads, args.env_source)
     missing = missing or _short_of_time(args, "at the start")
     if missing:
         return {"skipped": missing}
-    loop = _training_loop(args, agent_name, task_id, spec, env_kwargs)
+    loop = _training_loop(args, agent_name, choice)
     cfg = loop.config
     t0 = time.perf_counter()
     warm = loop.run(args.warmup_cycles * cfg.num_groups * cfg.envs_per_group
@@ -376,8 +438,8 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     late = _short_of_time(args, f"after a warm-up of {warmup_s:.0f} s")
     if late:
         return {"skipped": late}
-    env_sps = envpool_only(task_id, cfg.envs_per_group, cfg.async_factor, 10, args.seed,
-                           dict(cfg.env_kwargs), seconds=args.bound_seconds)
+    env_sps = _envs_alone(choice, cfg.envs_per_group, cfg.async_factor, args.seed,
+                          args.bound_seconds)
     # Compiled by the warm-up: one update to start, then as many as fit in the seconds.
     learner_sps = learner_only(loop, 1, args.seed, seconds=args.bound_seconds,
                                state=warm.state, warmup_updates=1)
@@ -387,7 +449,8 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     lags = result.policy_lags
     agent_cfg = loop.agent.config
     return {
-        "agent": agent_name, "env": task_id, "vectorization": cfg.vectorization,
+        "agent": agent_name, "env": choice.env, "env_source": choice.source,
+        "vectorization": cfg.vectorization,
         "num_env_threads": args.num_env_threads, "envs_per_group": cfg.envs_per_group,
         "async_factor": cfg.async_factor, "steps_per_cycle": cfg.steps_per_cycle,
         **({"num_epochs": agent_cfg.num_epochs, "num_minibatches": agent_cfg.num_minibatches}
@@ -401,7 +464,7 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
         "learner_updates": result.learner_updates,
         "policy_lag_mean": round(sum(lags) / len(lags), 2) if lags else None,
         "stage_seconds": {k: round(v, 2) for k, v in sorted(result.stage_seconds.items())},
-        "envpool_only": round(env_sps, 1), "learner_only": round(learner_sps, 1),
+        "env_only": round(env_sps, 1), "learner_only": round(learner_sps, 1),
         "bound": round(bound, 1), "bounded_by": "env" if env_sps <= learner_sps else "learner",
         "ratio_to_bound": ratio(result.consumed_steps_per_second, bound),
     }
@@ -455,9 +518,10 @@ def _acting_only_rows(rec: dict[str, Any], on_accelerator: bool) -> list[str]:
 
 
 def _training_rows(stages: list[dict[str, Any]], on_accelerator: bool) -> list[str]:
-    rows = ["training on EnvPool (consumed env steps/s beside its bounds)",
-            f"  {'stage':<16} {'env steps/s':>11} {'consumed/s':>10} {'EnvPool':>9} "
-            f"{'learner':>9} {'to bound':>8}  target"]
+    rows = ["training (consumed env steps/s beside its bounds: the envs alone, the learner "
+            "alone)",
+            f"  {'stage':<16} {'env steps/s':>11} {'consumed/s':>10} {'envs':>9} "
+            f"{'learner':>9} {'to bound':>8}  envs from; target"]
     for rec in stages:
         check = ""
         if rec["stage"] == "breakout_ppo":
@@ -467,8 +531,9 @@ def _training_rows(stages: list[dict[str, Any]], on_accelerator: bool) -> list[s
                      f">= {BREAKOUT_PPO_TO_BOUND} of bound: "
                      f"{_verdict(to_bound >= BREAKOUT_PPO_TO_BOUND, on_accelerator)}")
         rows.append(f"  {rec['stage']:<16} {rec['steps_per_second']:>11,.0f} "
-                    f"{rec['consumed_steps_per_second']:>10,.0f} {rec['envpool_only']:>9,.0f} "
-                    f"{rec['learner_only']:>9,.0f} {rec['ratio_to_bound']:>8.3f}  {check}")
+                    f"{rec['consumed_steps_per_second']:>10,.0f} {rec['env_only']:>9,.0f} "
+                    f"{rec['learner_only']:>9,.0f} {rec['ratio_to_bound']:>8.3f}  "
+                    f"{rec.get('env_source', 'envpool')}; {check}")
     return rows
 
 

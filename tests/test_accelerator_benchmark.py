@@ -42,7 +42,7 @@ def test_smoke_runs_every_stage_and_leaves_nothing(smoke):
     assert gone, "a process of the smoke run's session outlived it"
     for rec in _stages(printed).values():
         assert "error" not in rec, rec
-        if "skipped" in rec:  # only EnvPool's stages may be, and only without it
+        if "skipped" in rec:  # only the training stages may be, without their envs
             assert not HAS_ENVPOOL and "envpool" in rec["skipped"]
 
 
@@ -73,18 +73,42 @@ def test_smoke_acting_only_beside_its_bounds(smoke):
 def test_smoke_training_beside_its_bounds(smoke, stage):
     rec = _stages(smoke[3])[stage]
     agent, env = accelerator.TRAINING[stage]
-    assert (rec["agent"], rec["env"], rec["vectorization"]) == (agent, env, "envpool")
+    assert (rec["agent"], rec["env"], rec["vectorization"], rec["env_source"]) == (
+        agent, env, "envpool", "envpool")
     assert rec["num_env_threads"] == os.cpu_count()  # the default: every core
+    _assert_beside_its_bounds(rec)
+
+
+def _assert_beside_its_bounds(rec: dict) -> None:
     assert rec["learner_updates"] >= 1 and rec["consumed"] > 0
     assert rec["env_steps"] >= rec["consumed"]
-    for field in ("steps_per_second", "consumed_steps_per_second", "envpool_only",
+    for field in ("steps_per_second", "consumed_steps_per_second", "env_only",
                   "learner_only", "wall_seconds"):
         assert rec[field] > 0, field
-    assert rec["bound"] == min(rec["envpool_only"], rec["learner_only"])
-    assert rec["bounded_by"] == ("env" if rec["envpool_only"] <= rec["learner_only"]
+    assert rec["bound"] == min(rec["env_only"], rec["learner_only"])
+    assert rec["bounded_by"] == ("env" if rec["env_only"] <= rec["learner_only"]
                                  else "learner")
     assert rec["ratio_to_bound"] == pytest.approx(
         rec["consumed_steps_per_second"] / rec["bound"], abs=2e-3)
+
+
+@pytest.mark.timeout(300)
+def test_without_envpool_breakout_trains_on_ale_py_s_vector_env(tmp_path):
+    """A GPU machine's image may lack EnvPool (its wheels and assets exceed what can be
+    carried there): `--env_source=gymnasium` is what such a run takes, ale-py's own vector
+    env, the same frames for the Nature CNN, its env_only bound the groups' vector envs."""
+    run = run_benchmark("benchmarks.accelerator", "--smoke", "--env_source=gymnasium",
+                        "--stages=acting_latency,breakout_ppo", out=str(tmp_path / "r.jsonl"))
+    assert run.returncode == 0, run.stderr
+    assert run.gone
+    stages = _stages(run.printed)
+    rec = stages["breakout_ppo"]
+    assert (rec["env"], rec["vectorization"], rec["env_source"]) == (
+        "ALE/Breakout-v5", "vector_entry_point", "ale_py vector env")
+    _assert_beside_its_bounds(rec)
+    assert [p["network"] for p in stages["acting_latency"]["points"]] == \
+        ["mlp"] * 2 + ["nature_cnn"] * 2
+    assert "ale_py vector env" in run.stdout[run.stdout.index("accelerator benchmark on"):]
 
 
 def test_smoke_prints_the_table(smoke):
@@ -129,7 +153,7 @@ def _latency(network: str, envs: int, median_us: float) -> dict:
 
 def _breakout_ppo(consumed: float, bound: float) -> dict:
     return {"record": "stage", "stage": "breakout_ppo", "steps_per_second": consumed,
-            "consumed_steps_per_second": consumed, "envpool_only": bound,
+            "consumed_steps_per_second": consumed, "env_only": bound,
             "learner_only": bound * 2, "ratio_to_bound": round(consumed / bound, 3)}
 
 
