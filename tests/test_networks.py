@@ -28,6 +28,14 @@ SPECS = {  # the observation kinds an agent must act and train on
                                       gym.spaces.Discrete(3)),
     "discrete": sebulba.EnvSpec(gym.spaces.Discrete(7), gym.spaces.Discrete(3)),
     "multi_discrete": sebulba.EnvSpec(gym.spaces.MultiDiscrete([3, 5]), gym.spaces.Discrete(3)),
+    # Frames smaller than the Nature CNN's unpadded convolutions keep a feature of (36).
+    "small_frames": sebulba.EnvSpec(gym.spaces.Box(0, 255, (10, 10, 3), np.uint8),
+                                    gym.spaces.Discrete(3)),
+    # MultiDiscrete of one entry, and of rank 2: one-hots of every entry, in order.
+    "multi_discrete_one": sebulba.EnvSpec(gym.spaces.MultiDiscrete([5]),
+                                          gym.spaces.Discrete(3)),
+    "multi_discrete_2d": sebulba.EnvSpec(gym.spaces.MultiDiscrete([[2, 3], [4, 5]]),
+                                         gym.spaces.Discrete(3)),
 }
 B, T = 3, 5
 
@@ -108,12 +116,42 @@ def test_every_agent_acts_on_its_observations_through_the_protocol(name, kind):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("space,message", [
     (gym.spaces.Box(0, 255, (3, 5, 3), np.uint8), r"cannot tell the layout of uint8 frames"),
-    (gym.spaces.Dict({"a": gym.spaces.Discrete(2)}), r"FlattenObservation"),
+    (gym.spaces.Dict({"a": gym.spaces.Discrete(2)}), r"FlattenObservation, or keep one "
+                                                       r"entry with .*TransformObservation"),
     (gym.spaces.Tuple((gym.spaces.Discrete(2),)), r"Dict and Tuple observations"),
 ])
 def test_unsupported_observation_spaces_are_refused_by_name(space, message):
     with pytest.raises(ValueError, match=message):
         sebulba.envs.check_spaces(space, gym.spaces.Discrete(2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("space,encoded", [
+    (gym.spaces.Discrete(3, start=1), [[0, 0, 1]]),  # obs 3
+    (gym.spaces.MultiDiscrete([5]), [[0, 0, 0, 1, 0]]),  # obs [3]
+    (gym.spaces.MultiDiscrete([[2, 3], [4, 5]]),  # obs [[1, 2], [3, 0]]
+     [[0, 1] + [0, 0, 1] + [0, 0, 0, 1] + [1, 0, 0, 0, 0]]),
+])
+def test_discrete_observations_are_one_hot_per_entry_in_order(space, encoded):
+    obs = {0: 3, 1: [3], 2: [[1, 2], [3, 0]]}[len(space.shape)]
+    assert space.contains(np.asarray(obs, space.dtype))
+    encoder = networks.encoder_for(space)
+    out = encoder.apply({}, jnp.asarray([obs], observations.host_dtype(space)))
+    np.testing.assert_array_equal(out, np.asarray(encoded, np.float32))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("space", [gym.spaces.Box(0, 2**40, (3,), np.int64),
+                                   gym.spaces.Box(0, 2**40, (3,), np.uint64),
+                                   gym.spaces.Discrete(10, start=2**31 - 5)])
+def test_integer_observations_beyond_32_bits_are_refused_by_name(space):
+    """Narrowed to JAX's 32-bit integers, they would wrap around silently."""
+    with pytest.raises(ValueError, match=r"holds integers from .* they would wrap around"):
+        sebulba.envs.check_spaces(space, gym.spaces.Discrete(2))
+    with pytest.raises(ValueError, match="would wrap around"):
+        observations.host_dtype(space)
+    fits = gym.spaces.Box(-5, 2**31 - 1, (3,), np.int64)
+    assert observations.host_dtype(fits) == np.int32
 
 
 @pytest.mark.parametrize("shape,layout", [((210, 160, 3), "HWC"), ((4, 84, 84), "CHW"),

@@ -74,15 +74,23 @@ class MLP(nn.Module):
         return x
 
 
+# The least side the Nature CNN's unpadded convolutions keep a feature of (8/4, 4/2, 3/1).
+NATURE_CNN_MIN_SIDE = 36
+
+
 class NatureCNN(nn.Module):
     """The DQN Nature torso (Mnih et al., 2015): three convolutions and a 512-unit layer.
 
     Maps uint8 frames [..., *frame_shape] (0-255; `layout` "HWC", "CHW" or "HW", from
     `sebulba.envs.observations.image_layout`) to features [..., 512]. Frames travel as uint8
-    and become NHWC floats in [0, 1] here, on the device.
+    and become NHWC floats in [0, 1] here, on the device. `padding` "VALID" is the
+    published torso; frames with a side under `NATURE_CNN_MIN_SIDE` need "SAME", or its
+    convolutions leave no features and the network's outputs ignore the frames
+    (`torso_for` chooses).
     """
 
     layout: str = "HWC"
+    padding: str = "VALID"
 
     @nn.compact
     def __call__(self, frames: jax.Array) -> jax.Array:
@@ -95,21 +103,23 @@ class NatureCNN(nn.Module):
             x = x[..., None]
         init = nn.initializers.orthogonal(np.sqrt(2.0))
         for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
-            x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride), padding="VALID",
-                                kernel_init=init)(x))
+            x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride),
+                                padding=self.padding, kernel_init=init)(x))
         x = nn.relu(nn.Dense(512, kernel_init=init)(x.reshape(x.shape[0], -1)))
         return x.reshape(batch_shape + (512,))
 
 
 class OneHot(nn.Module):
-    """Discrete observations [..., k] (k = 1 for Discrete) -> concatenated one-hots
-    [..., sum(num_values)], float32."""
+    """Discrete observations [..., *space_shape] (`rank` = len(space_shape): 0 for
+    Discrete, 1 or more for MultiDiscrete) -> concatenated one-hots of their k entries,
+    flattened in order, [..., sum(num_values)], float32."""
 
     num_values: Sequence[int]
     start: Sequence[int]
+    rank: int = 1
 
     def __call__(self, obs: jax.Array) -> jax.Array:
-        obs = obs.reshape(obs.shape[: obs.ndim - (len(self.num_values) > 1)] + (-1,))
+        obs = flatten_trailing(obs[..., None] if self.rank == 0 else obs, max(self.rank, 1))
         return jnp.concatenate(
             [jax.nn.one_hot(obs[..., i] - s, n) for i, (n, s) in
              enumerate(zip(self.num_values, self.start, strict=True))], axis=-1)
@@ -267,7 +277,7 @@ def encoder_for(observation_space: gym.Space) -> nn.Module:
     if kind == observations.DISCRETE:
         start = np.atleast_1d(np.asarray(observation_space.start)).reshape(-1)
         return OneHot(tuple(int(n) for n in observations.num_discrete_values(observation_space)),
-                      tuple(int(x) for x in start))
+                      tuple(int(x) for x in start), len(observation_space.shape))
     return MLP((), obs_rank=len(observation_space.shape))
 
 
@@ -277,7 +287,10 @@ def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
     Nature CNN for frames, else the encoder followed by an MLP of `hidden_sizes`."""
     kind = observations.kind(observation_space)
     if kind == observations.IMAGE:
-        return NatureCNN(observations.image_layout(observation_space))
+        layout = observations.image_layout(observation_space)
+        shape = tuple(observation_space.shape)
+        sides = {"HWC": shape[:2], "CHW": shape[1:], "HW": shape}[layout]
+        return NatureCNN(layout, "VALID" if min(sides) >= NATURE_CNN_MIN_SIDE else "SAME")
     if kind == observations.DISCRETE:
         return nn.Sequential([encoder_for(observation_space), MLP(tuple(hidden_sizes),
                                                                   activation)])

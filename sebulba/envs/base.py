@@ -54,6 +54,7 @@ class EnvSource(Protocol):
 def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
     """Raises ValueError unless the spaces are ones the framework batches."""
     observations.kind(observation_space)  # names the space and the wrapper to use
+    observations.host_dtype(observation_space)  # refuses integers beyond 32 bits
     if not isinstance(action_space, gym.spaces.Discrete | gym.spaces.MultiDiscrete
                       | gym.spaces.Box):
         raise ValueError(f"unsupported action space {action_space!r}: expected gymnasium."

@@ -32,8 +32,9 @@ def kind(space: gym.Space) -> str:
     if isinstance(space, gym.spaces.Dict | gym.spaces.Tuple):
         raise ValueError(
             f"unsupported observation space {space!r}: Dict and Tuple observations are not "
-            "batched by sebulba; wrap the env in gymnasium.wrappers.FlattenObservation "
-            "(or pick one entry with gymnasium.wrappers.FilterObservation)")
+            "batched by sebulba; wrap the env in gymnasium.wrappers.FlattenObservation, or "
+            "keep one entry with gymnasium.wrappers.TransformObservation(env, lambda obs: "
+            "obs[key], env.observation_space[key])")
     if not isinstance(space, gym.spaces.Box):
         raise ValueError(
             f"unsupported observation space {space!r}: expected a gymnasium.spaces.Box, "
@@ -67,9 +68,34 @@ def num_discrete_values(space: gym.spaces.Discrete | gym.spaces.MultiDiscrete) -
                                     else space.nvec)).reshape(-1)
 
 
+_NARROWED = {np.dtype(np.float64): np.dtype(np.float32),
+             np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
+
+
 def host_dtype(space: gym.Space) -> np.dtype:
     """The dtype observations of `space` have on the host and in trajectories: the
-    space's, except float64 -> float32 and int64 -> int32 (JAX's default widths)."""
+    space's, except 64-bit ones narrowed to 32 (JAX's default widths; float64 values
+    beyond float32's range become inf, which the output checks report). ValueError,
+    naming the space, for integers whose bounds do not fit 32 bits: narrowed, they would
+    wrap around silently."""
     dtype = np.dtype(space.dtype)
-    return {np.dtype(np.float64): np.dtype(np.float32),
-            np.dtype(np.int64): np.dtype(np.int32)}.get(dtype, dtype)
+    narrowed = _NARROWED.get(dtype, dtype)
+    if narrowed != dtype and narrowed.kind in "iu":
+        low, high = _integer_bounds(space)
+        info = np.iinfo(narrowed)
+        if low < info.min or high > info.max:
+            raise ValueError(
+                f"observation space {space!r} holds integers from {low} to {high}, beyond "
+                f"{narrowed.name} (JAX's default integer width, which sebulba keeps "
+                "observations in): they would wrap around; wrap the env to bring them into "
+                f"[{info.min}, {info.max}] (or give them a float dtype)")
+    return narrowed
+
+
+def _integer_bounds(space: gym.Space) -> tuple[int, int]:
+    """The least and greatest value an integer space holds."""
+    if isinstance(space, gym.spaces.Discrete):
+        return int(space.start), int(space.start + space.n - 1)
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        return int(np.min(space.start)), int(np.max(space.start + space.nvec - 1))
+    return int(np.min(space.low)), int(np.max(space.high))
