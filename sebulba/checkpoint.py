@@ -584,7 +584,8 @@ class ProcessCheckpointer:
                 f"could not save checkpoint {step} in {self.directory}: {cause_line(e)}; "
                 "the earlier checkpoints are intact") from e
         kept = self.all_steps()[-self.max_to_keep:]
-        for name in os.listdir(self.directory):
+        # The JSONs first: a step is gone once its JSON is, whatever else a kill leaves.
+        for name in sorted(os.listdir(self.directory), key=lambda n: not n.endswith(".json")):
             stem = name.split(".", 1)[0]
             if stem.isdigit() and int(stem) not in kept and name.endswith(_PART_SUFFIXES):
                 with contextlib.suppress(FileNotFoundError):
