@@ -9,19 +9,25 @@ one reporter feeds every sink.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from sebulba.runtime import bottleneck
+from sebulba.runtime.accounting import Accounting
 from sebulba.runtime.evaluator import Evaluation
 from sebulba.runtime.loop import UpdateInfo
+
+_log = logging.getLogger(__name__)
 
 
 class MetricWriter(Protocol):
@@ -119,13 +125,31 @@ class MultiWriter:
             w.write(step, scalars)
 
     def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
-        for w in self.writers:
-            if hasattr(w, "write_video"):
-                w.write_video(step, tag, frames, fps)
+        """Every sink that takes videos gets the video, whichever of them fail: one broken
+        sink (a W&B upload, a codec) must not cost the others theirs. The first error is
+        raised once all had their call."""
+        _call_each(functools.partial(w.write_video, step, tag, frames, fps)
+                   for w in self.writers if hasattr(w, "write_video"))
 
     def close(self) -> None:
-        for w in self.writers:
-            w.close()
+        """Closes every sink (a failing one must not leave the others unflushed), then
+        raises the first error."""
+        _call_each(w.close for w in self.writers)
+
+
+def _call_each(calls: Iterable[Callable[[], None]]) -> None:
+    """Makes every one of `calls`, even after some raised; then raises the first error,
+    logging the others."""
+    errors: list[Exception] = []
+    for call in calls:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - raised below, once the others had their call
+            errors.append(e)
+    for e in errors[1:]:
+        _log.error("another metric sink failed too", exc_info=e)
+    if errors:
+        raise errors[0]
 
 
 def default_writers(logdir: str) -> MultiWriter:
@@ -153,10 +177,23 @@ def json_line(obj: Any) -> str:
     return json.dumps(strict(obj), allow_nan=False)
 
 
+class _Update(NamedTuple):
+    """What a row needs of an `UpdateInfo`, and when it came."""
+
+    step: int
+    version: int
+    metrics: dict[str, float]
+    accounting: Accounting
+    at: float
+    bound: bottleneck.Bottleneck
+
+
 class Reporter:
     """An `on_update` callback: writes metrics every `every_seconds`, drives a tqdm bar.
 
     Steps are global env steps consumed (`step_offset` adds those of a resumed run).
+    `finish` writes the last row (the final window would otherwise be lost) and the
+    evaluations that came after the last update; `close` waits for the videos.
     """
 
     def __init__(
@@ -177,9 +214,15 @@ class Reporter:
         self._last_write = time.monotonic()
         self._last_steps = step_offset
         self._episodes_seen = 0
+        self._team_episodes_seen = 0
+        # The last update seen: `finish` writes its row unless a row of its step was.
+        self._last_update: _Update | None = None
+        self._row_step: int | None = None
         self._eval_return: float | None = None  # the last evaluation's, for the bar
         self._evaluations_written = 0
         self._videos = ThreadPoolExecutor(1, thread_name_prefix="sebulba-video-writer")
+        self._video_writes: list[Future[None]] = []
+        self.video_errors: list[BaseException] = []  # the failed video writes, logged
         self._bound = bottleneck.Tracker()  # what bounds the run, for the bar
         self._bar = None
         if progress:
@@ -197,22 +240,33 @@ class Reporter:
             self._bar.update(step - self._bar.n)
         for evaluation in info.evaluations:  # rare: written as they come
             self._write_evaluation(evaluation)
-        bound = self._bound(info.accounting.stage_seconds)
-        now = time.monotonic()
-        if now - self._last_write < self.every_seconds:
-            return
+        # Its figures, not the UpdateInfo: that holds the learner's state (replay buffers
+        # too), which should not outlive the update.
+        update = self._last_update = _Update(
+            step, info.version, info.metrics, info.accounting, time.monotonic(),
+            self._bound(info.accounting.stage_seconds))
+        if update.at - self._last_write >= self.every_seconds:
+            self._write_row(update)
+
+    def _write_row(self, update: _Update) -> None:
+        step, now = update.step, update.at
         # One read of the episodes and their total: an episode that ends between two reads
         # would be counted in the total without ever being reported.
-        episodes, self._episodes_seen = info.accounting.episodes_since(self._episodes_seen)
+        episodes, self._episodes_seen = update.accounting.episodes_since(self._episodes_seen)
+        teams, self._team_episodes_seen = update.accounting.team_episodes_since(
+            self._team_episodes_seen)
         recent = [r for _, r, _ in episodes]
-        sps = (step - self._last_steps) / (now - self._last_write)
-        self._last_write, self._last_steps = now, step
-        scalars = {f"learner/{k}": v for k, v in info.metrics.items()}
+        sps = (step - self._last_steps) / max(now - self._last_write, 1e-9)
+        self._last_write, self._last_steps, self._row_step = now, step, step
+        scalars = {f"learner/{k}": v for k, v in update.metrics.items()}
         scalars["throughput/consumed_steps_per_second"] = sps
-        scalars["learner/version"] = info.version
+        scalars["learner/version"] = update.version
         if recent:
             scalars["episode/return"] = float(np.mean(recent))
             scalars["episode/count"] = len(recent)
+        if teams:  # multi-agent envs: their env episodes, the sum of their agents' returns
+            scalars["episode/team_return"] = float(np.mean([r for _, r, _ in teams]))
+            scalars["episode/team_count"] = len(teams)
         if self._bar is not None:
             postfix = {"sps": f"{sps:,.0f}"}
             if recent:
@@ -220,16 +274,27 @@ class Reporter:
                 postfix["return"] = f"{np.mean(recent):.4g}"
             if self._eval_return is not None:
                 postfix["eval"] = f"{self._eval_return:.4g}"
-            postfix["bound"] = bound.short()
+            postfix["bound"] = update.bound.short()
             self._bar.set_postfix(postfix, refresh=False)
         if self.writer is not None:
             self.writer.write(step, scalars)
 
     def finish(self, evaluations: Sequence[Evaluation]) -> None:
-        """Writes the run's evaluations (`RunResult.evaluations`) that no `on_update` call
-        carried: those that finished after the learner's last update."""
-        for evaluation in evaluations[self._evaluations_written:]:
-            self._write_evaluation(evaluation)
+        """Writes the last update's row if `every_seconds` held it back (with the episodes
+        counted since the last row, those counted as the run stopped included), and the
+        run's evaluations (`RunResult.evaluations`) that no `on_update` call carried:
+        those that finished after the learner's last update.
+
+        The loop leaves the video frames of those last evaluations in the result for this
+        call; they are dropped from `evaluations` (a list) once handed to the writers, so
+        that the result keeps figures, not hundreds of MB.
+        """
+        if self._last_update is not None and self._last_update.step != self._row_step:
+            self._write_row(self._last_update)  # not a second row of one step
+        for i in range(self._evaluations_written, len(evaluations)):
+            self._write_evaluation(evaluations[i])
+            if evaluations[i].video_frames is not None and isinstance(evaluations, list):
+                evaluations[i] = dataclasses.replace(evaluations[i], video_frames=None)
 
     def _write_evaluation(self, evaluation: Evaluation) -> None:
         """An evaluation's figures at the step its networks were published at."""
@@ -242,11 +307,29 @@ class Reporter:
         self.writer.write(step, scalars)
         if evaluation.video_frames is not None and hasattr(self.writer, "write_video"):
             # Encoding a video takes seconds: on a thread of its own, not the learner's.
-            self._videos.submit(self.writer.write_video, step, "eval/video",
-                                evaluation.video_frames, evaluation.video_fps)
+            self._video_writes.append(self._videos.submit(
+                self.writer.write_video, step, "eval/video", evaluation.video_frames,
+                evaluation.video_fps))
+            self._log_video_errors()
+
+    def _log_video_errors(self) -> None:
+        """Logs the failures of the video writes that ended. Logged, not raised: a video
+        is a by-product of a run whose scalars and checkpoints are safe, and an error
+        raised from `close` (a launcher's `finally`) would turn a finished run into a
+        crash, hide its summary or the exit code of a preempted run, or mask the error it
+        was closing on. `video_errors` keeps them for a caller that wants to fail."""
+        # One look per future: one that ends between two looks would be in neither list.
+        done = [(f, f.done()) for f in self._video_writes]
+        self._video_writes = [f for f, ended in done if not ended]
+        for future in (f for f, ended in done if ended):
+            if (error := future.exception()) is not None:
+                self.video_errors.append(error)
+                _log.error("writing an evaluation video to the metric sinks failed",
+                           exc_info=error)
 
     def close(self) -> None:
         self._videos.shutdown(wait=True)
+        self._log_video_errors()
         if self._bar is not None:
             self._bar.close()
         if self.writer is not None:

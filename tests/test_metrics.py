@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,20 +20,31 @@ from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
 
-def read_tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+def read_tensorboard_events(logdir) -> Iterator[event_pb2.Event]:
     """Parses TFRecord-framed Event protos (length, crc, data, crc) from the event files."""
-    scalars: dict[str, list[tuple[int, float]]] = {}
     for path in glob.glob(f"{logdir}/events.out.tfevents.*"):
         with open(path, "rb") as f:
             data = f.read()
         offset = 0
         while offset < len(data):
             (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            yield event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
             offset += 12 + length + 4
-            for value in event.summary.value:
+
+
+def read_tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for event in read_tensorboard_events(logdir):
+        for value in event.summary.value:
+            if not value.HasField("image"):
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def read_tensorboard_videos(logdir) -> list[tuple[str, int]]:
+    """(tag, step) of each video (a GIF image summary) in the event files."""
+    return [(value.tag, event.step) for event in read_tensorboard_events(logdir)
+            for value in event.summary.value if value.HasField("image")]
 
 
 def test_writers_record_every_scalar(tmp_path):
@@ -53,7 +65,8 @@ def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
                            sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=3))
     reporter = Reporter(30 * 12, JsonLinesWriter(str(tmp_path / "m.jsonl")), every_seconds=0.0,
                         progress=True, step_offset=1000)
-    loop.run(30 * 12, on_update=reporter)
+    result = loop.run(30 * 12, on_update=reporter)
+    reporter.finish(result.evaluations)  # the last update's row is written: not again
     reporter.close()
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len(rows) == 30
@@ -174,3 +187,122 @@ def test_wandb_offline_takes_scalars_against_env_steps_and_videos(tmp_path):
             break
         time.sleep(0.2)
     assert [x for x in expected if x not in recorded] == [], recorded[:200]
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(120)
+def test_finish_writes_the_last_window_that_every_seconds_held_back(tmp_path, no_leftovers):
+    env = functools.partial(CountingEnv, 5)
+    loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)),
+                           sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=3))
+    # A run shorter than every_seconds: no row during it, the whole run in the last.
+    reporter = Reporter(30 * 12, JsonLinesWriter(str(tmp_path / "m.jsonl")),
+                        every_seconds=3600.0, progress=False, step_offset=1000)
+    try:
+        result = loop.run(30 * 12, on_update=reporter)
+        assert not (tmp_path / "m.jsonl").read_text()
+        reporter.finish(result.evaluations)
+        reporter.finish(result.evaluations)  # a step is written once
+    finally:
+        reporter.close()
+    (row,) = read_rows(tmp_path / "m.jsonl")
+    assert row["step"] == 1000 + 30 * 12 and row["learner/version"] == 30
+    assert "learner/loss" in row and row["throughput/consumed_steps_per_second"] > 0
+    # every episode of the run, those counted as it stopped included
+    assert row["episode/count"] == result.episodes_total > 0 and row["episode/return"] == 5.0
+
+
+class _BrokenVideoSink:
+    """A sink whose video encoding fails (a missing codec, an upload that breaks)."""
+
+    def write(self, step: int, scalars) -> None:
+        pass
+
+    def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
+        raise OSError("no video encoder")
+
+    def close(self) -> None:
+        raise OSError("the upload broke")
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_video_sink_is_logged_and_leaves_the_others_their_videos(tmp_path, caplog):
+    from sebulba.evaluation import EvaluationResult
+    from sebulba.metrics import MultiWriter, TensorBoardWriter
+    from sebulba.runtime.evaluator import Evaluation
+
+    jsonl = JsonLinesWriter(str(tmp_path / "m.jsonl"))
+    writer = MultiWriter([_BrokenVideoSink(), TensorBoardWriter(str(tmp_path)), jsonl])
+    reporter = Reporter(1000, writer, every_seconds=0.0, progress=False)
+    frames = np.random.default_rng(0).integers(0, 255, (6, 16, 16, 3), np.uint8)
+    reporter.finish([Evaluation(3, 100, EvaluationResult([1.0], [5]), 0.1, None, frames, 10)])
+    with caplog.at_level("ERROR", logger="sebulba.metrics"), \
+            pytest.raises(OSError, match="the upload broke"):
+        reporter.close()  # every sink is closed, then the first close error raised
+    assert jsonl._file.closed
+    assert read_tensorboard_videos(tmp_path) == [("eval/video", 100)]
+    assert [str(e) for e in reporter.video_errors] == ["no video encoder"]
+    (record,) = [r for r in caplog.records if "video" in r.getMessage()]
+    assert record.exc_info[1] is reporter.video_errors[0]  # the traceback is logged
+
+
+@pytest.mark.timeout(240)
+def test_the_video_of_an_evaluation_that_ends_after_the_last_update_is_written(
+        tmp_path, no_leftovers):
+    from agents.spg import SPG, SPGConfig
+    from sebulba.metrics import TensorBoardWriter
+
+    updates, videos = 10, tmp_path / "videos"
+    config = sebulba.Config(envs_per_group=8, steps_per_cycle=16, eval_every_updates=updates,
+                            eval_episodes=2, eval_max_share=1.0, eval_video_dir=str(videos),
+                            eval_video_every=1)
+    reporter = Reporter(updates * 128, TensorBoardWriter(str(tmp_path)), every_seconds=0.0,
+                        progress=False)
+    seen = []
+
+    def on_update(info) -> None:
+        seen.extend(info.evaluations)
+        reporter(info)
+        if info.version == updates:  # the last: its evaluation ends before the run does
+            deadline = time.monotonic() + 120
+            while not (videos / f"update_{updates:08d}.mp4").exists():
+                assert time.monotonic() < deadline, "the last update's evaluation never ended"
+                time.sleep(0.1)
+            time.sleep(0.5)  # from its video's file to the evaluator's list of finished
+
+    try:
+        result = sebulba.Sebulba(SPG(config.env_spec(), SPGConfig()), config).run(
+            updates * 128, on_update=on_update)
+        assert not seen and [e.learner_update for e in result.evaluations] == [updates]
+        assert result.evaluations[-1].video_frames is not None  # for finish
+        reporter.finish(result.evaluations)
+    finally:
+        reporter.close()
+    assert read_tensorboard_videos(tmp_path) == [("eval/video", result.evaluations[-1].env_steps)]
+    assert result.evaluations[-1].video_frames is None  # dropped once written
+
+
+@pytest.mark.timeout(180)
+def test_multi_agent_env_episodes_are_reported_as_team_returns(tmp_path, no_leftovers):
+    pytest.importorskip("pettingzoo", reason="multi-agent envs need the 'multiagent' extra")
+    from agents.ppo import PPO, PPOConfig
+    from sebulba.plot import TRAIN_RETURNS
+
+    config = sebulba.Config(env="sebulba.envs.suite.role_call", vectorization="pettingzoo",
+                            agent_ids=True, envs_per_group=8, steps_per_cycle=16)
+    reporter = Reporter(3_000, JsonLinesWriter(str(tmp_path / "m.jsonl")),
+                        every_seconds=3600.0, progress=False)
+    try:
+        result = sebulba.Sebulba(PPO(config.env_spec(), PPOConfig()), config).run(
+            3_000, on_update=reporter)
+        reporter.finish(result.evaluations)
+    finally:
+        reporter.close()
+    (row,) = read_rows(tmp_path / "m.jsonl")
+    assert set(TRAIN_RETURNS) <= set(row)  # both of the plot's training curves
+    assert row["episode/team_count"] == result.team_episodes_total > 0
+    assert row["episode/team_return"] == pytest.approx(
+        np.mean([r for _, r, _ in result.team_episodes]))

@@ -124,15 +124,27 @@ class Accounting:
         the next call passes that total, so that no episode is missed or counted twice
         (reading the total apart would skip the episodes that end in between)."""
         with self._lock:
-            total = self.episodes_total
-            new = min(total - since_total, len(self.episodes))
-            recent = list(self.episodes)[len(self.episodes) - new:] if new > 0 else []
-            return recent, total
+            return _since(self.episodes, self.episodes_total, since_total)
+
+    def team_episodes_since(self, since_total: int) -> tuple[list[tuple[int, float, int]], int]:
+        """`episodes_since` of the env (team) episodes of a multi-agent env: those after
+        the first `since_total` of the run (at most the window), and
+        `team_episodes_total`."""
+        with self._lock:
+            return _since(self.team_episodes, self.team_episodes_total, since_total)
 
     def snapshot(self) -> tuple[list[tuple[int, float, int]], list[int]]:
         """(episodes, policy lags) of the windows, copied under the lock."""
         with self._lock:
             return list(self.episodes), list(self.policy_lags)
+
+
+def _since(window: collections.deque[tuple[int, float, int]], total: int,
+           since_total: int) -> tuple[list[tuple[int, float, int]], int]:
+    """The records of `window` (the most recent of `total`) after the first `since_total`,
+    and `total`; the caller holds the lock."""
+    new = min(total - since_total, len(window))
+    return (list(window)[len(window) - new:] if new > 0 else []), total
 
 
 class StageClock:
@@ -203,7 +215,9 @@ class RunResult:
       inferencer_threads: this process's inferencer threads (their stages' seconds are
         summed over them).
       evaluations: the evaluations during training (`Config.eval_every_updates`),
-        oldest first (`sebulba.runtime.evaluator.Evaluation`).
+        oldest first (`sebulba.runtime.evaluator.Evaluation`); their videos' frames are
+        dropped, but for those that finished after the last update (no `on_update` carried
+        them), which `metrics.Reporter.finish` writes and then drops.
       evaluator_env_steps: env steps the evaluator took (not part of `env_steps`),
         those of abandoned evaluations included.
       evaluations_abandoned: evaluations given up for running past

@@ -448,8 +448,10 @@ class Sebulba:
         if run.evaluator is not None:
             if not run.evaluator.close(self.config.shutdown_timeout_s):
                 still_alive.append(run.evaluator.thread.name)
-            run.evaluations.extend(dataclasses.replace(e, video_frames=None)
-                                   for e in run.evaluator.take())
+            # These keep their frames: no on_update carries them, and `Reporter.finish`
+            # writes their videos from the result (and drops the frames). At most one
+            # evaluation runs after the last update's offer, so this is one video at most.
+            run.evaluations.extend(run.evaluator.take())
         run.wall = time.perf_counter() - run.start
         return still_alive
 
