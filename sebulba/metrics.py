@@ -121,8 +121,8 @@ class MultiWriter:
         self.writers = list(writers)
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
-        for w in self.writers:
-            w.write(step, scalars)
+        """Every sink gets the row, whichever of them fail; then the first error."""
+        _call_each(functools.partial(w.write, step, scalars) for w in self.writers)
 
     def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
         """Every sink that takes videos gets the video, whichever of them fail: one broken
