@@ -45,6 +45,7 @@ from sebulba.checkpoint import (
     cause_line,
     check_writable,
     process_directory,
+    process_part_steps,
 )
 from sebulba.envs import registry
 from sebulba.metrics import MultiWriter, Reporter, WandbWriter, default_writers, json_line
@@ -502,7 +503,15 @@ def restore_intact(launch: Launch, state: sebulba.AgentState):
     num_local_learners = len(launch.loop.local_learner_devices)
     like_experience = jax.tree.map(lambda x: jax.numpy.stack([x] * num_local_learners),
                                    state.experience)
+    every_part = steps_of_every_process(checkpointer)
     for step in launch.resume_steps:
+        if every_part is not None and step not in every_part:
+            # A save cut short in some process (a kill inside the grace): every process
+            # sees the same directories, so all pass over the same steps.
+            print(f"checkpoint {step} lacks a process's own part (a save cut short): "
+                  "passed over", file=sys.stderr)
+            launch.damaged.append(step)
+            continue
         try:
             restored = checkpointer.restore(nets=state.nets, opt=state.opt,
                                             metadata=launch.metadata, step=step)
@@ -520,6 +529,18 @@ def restore_intact(launch: Launch, state: sebulba.AgentState):
             continue
         return restored, mine
     raise no_intact_error(checkpointer.directory, launch.damaged)
+
+
+def steps_of_every_process(checkpointer: Checkpointer) -> set[int] | None:
+    """In a multi-process run, the steps of which every process > 0 saved its own part
+    (process 0's is the checkpoint itself), read from their directories beside the
+    checkpoints, which every process reads alike (the checkpoint's directory is shared,
+    as the networks in it are); None with one process."""
+    if jax.process_count() == 1:
+        return None
+    parts = [set(process_part_steps(process_directory(checkpointer.directory, p)))
+             for p in range(1, jax.process_count())]
+    return set.intersection(*parts)
 
 
 def set_aside_damaged(launch: Launch) -> None:

@@ -532,6 +532,15 @@ def _sync_directory(directory: str) -> None:
         os.close(fd)
 
 
+def process_part_steps(directory: str) -> list[int]:
+    """The steps a `ProcessCheckpointer` holds whole in `directory` (none if it is not
+    there), read without making anything."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name[:-5]) for name in os.listdir(directory)
+                  if name.endswith(".json") and name[:-5].isdigit())
+
+
 class ProcessCheckpointer:
     """One process's own part of a multi-process checkpoint (its envs' step state and its
     learner devices' experience), as one `.npz` of host arrays and one JSON of metadata
@@ -553,8 +562,7 @@ class ProcessCheckpointer:
         return os.path.join(self.directory, f"{step}{suffix}")
 
     def all_steps(self) -> list[int]:
-        return sorted(int(name[:-5]) for name in os.listdir(self.directory)
-                      if name.endswith(".json") and name[:-5].isdigit())
+        return process_part_steps(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()

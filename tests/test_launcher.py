@@ -244,7 +244,8 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     outputs = run_launchers(
         [[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
-          "--total_env_steps=4000", f"--logdir={tmp_path / 'run'}", *SMALL] for i in range(2)],
+          "--total_env_steps=4000", f"--logdir={tmp_path / 'run'}",
+          "--checkpoint_every_steps=1500", *SMALL] for i in range(2)],
         [env, env])
     primary = last_json(outputs[0])
     assert primary["num_processes"] == 2 and primary["global_consumed"] >= 4000
@@ -259,13 +260,15 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
     steps = [sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()),
              sorted(int(f[:-5]) for f in os.listdir(run_dir / "checkpoints_process_1")
                     if f.endswith(".json"))]
-    assert steps[0] and steps[0] == steps[1]
+    assert len(steps[0]) >= 2 and steps[0] == steps[1]
+    # A save cut short in process 1 (killed between process 0's save and its own): both
+    # pass over that step, and resume from the one before.
+    os.remove(run_dir / "checkpoints_process_1" / f"{steps[0][-1]}.json")
     resumed = run_launchers(
         [[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
           "--total_env_steps=6000", f"--logdir={run_dir}", "--resume", *SMALL]
          for i in range(2)], [env, env])
-    assert (f"at {steps[0][-1]:,} env steps, learner update {primary['learner_updates']:,}"
-            in resumed[0])
+    assert f"at {steps[0][-2]:,} env steps" in resumed[0]
     assert last_json(resumed[0])["total_consumed"] >= 6000
 
 
