@@ -433,3 +433,104 @@ def test_a_central_value_trains_on_learner_shards_of_whole_envs(agent_cls, confi
     assert result.learner_updates >= 6
     assert all(np.isfinite(v) for v in result.metrics.values())
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
+
+
+class Scripted(ParallelEnv):
+    """Agents "a" and "b", whose outputs break (or bend) PettingZoo's Parallel API as
+    `fault` says: "flagged_stays" (both are terminated at step 2 but stay in `agents`),
+    "no_obs_at_reset", "no_obs_as_b_joins", "no_obs_after_a_step" (b's observation left
+    out while it stays), "stale_none" (b ends at step 1, then None entries for it), and
+    "reward_as_b_joins" (b, absent at the reset, joins at step 1 with a reward of 1)."""
+
+    possible_agents = ["a", "b"]
+    metadata = {"name": "scripted"}
+    render_mode = None
+
+    def __init__(self, fault: str):
+        self.fault, self.agents, self.t = fault, [], 0
+
+    def observation_space(self, agent):
+        return gym.spaces.Box(-10.0, 10.0, (1,), np.float32)
+
+    def action_space(self, agent):
+        return gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        joins = self.fault in ("no_obs_as_b_joins", "reward_as_b_joins")
+        self.agents = ["a"] if joins else ["a", "b"]
+        obs = {a: np.zeros(1, np.float32) for a in self.agents}
+        if self.fault == "no_obs_at_reset":
+            del obs["b"]
+        return obs, {}
+
+    def step(self, actions):
+        self.t += 1
+        acting = list(self.agents)
+        if self.fault in ("no_obs_as_b_joins", "reward_as_b_joins") and self.t == 1:
+            self.agents = ["a", "b"]
+        obs = {a: np.full(1, self.t, np.float32) for a in set(acting) | set(self.agents)}
+        rewards = {a: 1.0 for a in obs}
+        term = {a: self.fault == "flagged_stays" and self.t == 2 for a in obs}
+        trunc = {a: self.t == 4 for a in obs}
+        if self.fault == "no_obs_as_b_joins" and self.t == 1:
+            del obs["b"]
+        if self.fault == "no_obs_after_a_step":
+            del obs["b"]
+        if self.fault == "stale_none" and self.t >= 1:
+            if self.t == 1:
+                term["b"], self.agents = True, ["a"]
+            else:
+                obs["b"], rewards["b"], term["b"], trunc["b"] = None, None, None, None
+        if self.fault != "flagged_stays":
+            self.agents = [a for a in self.agents if not (term.get(a) or trunc.get(a))]
+        return obs, rewards, term, trunc, {}
+
+
+def _steps(source, n: int) -> None:
+    source.reset(seed=0)
+    for _ in range(n):
+        ids, _, _ = source.recv()
+        source.send(np.zeros(len(ids), np.int64), ids)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check_output", [False, True])
+@pytest.mark.parametrize("fault,match", [
+    ("flagged_stays", r"agent 'a' of env 0 .*, step 2: agents still hold 'a', whose "
+                      r"episode the step ended"),
+    ("no_obs_at_reset", r"agent 'b' .*step 0: observation is missing at the reset"),
+    ("no_obs_as_b_joins", r"agent 'b' .*step 1: observation is missing as it joins"),
+    ("no_obs_after_a_step", r"agent 'b' .*step 1: observation is missing after the step"),
+])
+def test_outputs_the_parallel_api_rules_out_are_errors_naming_agent_and_step(
+        fault, match, check_output):
+    """Left alone, each went wrong quietly or as a bare KeyError: an agent flagged ended
+    but kept in `agents` re-joined at once and its env never reset; a missing observation
+    was a KeyError, or zeros for an agent that goes on acting. With the checks off too."""
+    source = ParallelEnvSource([Scripted(fault)], check_output=check_output, env="scripted")
+    with pytest.raises(sebulba.envs.BadEnvOutput, match=match):
+        _steps(source, 4)
+
+
+@pytest.mark.timeout(60)
+def test_the_checks_read_only_the_fields_of_agents_in_the_episode():
+    """Entries an env keeps for an agent that left (None here) are never read, so the
+    output checks pass them over; the agent is padding until the reset."""
+    source = ParallelEnvSource([Scripted("stale_none")], check_output=True, env="scripted")
+    source.reset(seed=0)
+    for t in range(4):
+        ids, step, _ = source.recv()
+        if t >= 2:  # b ended at step 1: padding since
+            assert step.first[1] and step.terminated[1] and step.reward[1] == 0.0
+        source.send(np.zeros(2, np.int64), ids)
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_at_an_agent_s_joining_step_counts_in_the_team_return():
+    source = ParallelEnvSource([Scripted("reward_as_b_joins")])
+    _steps(source, 5)
+    # a: 1 a step for 4 steps; b: 1 as it joins (its row's first step: 0 there) + 3.
+    (team_return, length), = source.pop_team_episodes()
+    assert (team_return, length) == (8.0, 4)
+    assert sorted(source.pop_episodes()) == [(3.0, 3), (4.0, 4)]

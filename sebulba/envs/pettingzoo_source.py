@@ -28,6 +28,7 @@ import numpy as np
 from sebulba.envs import observations
 from sebulba.envs.base import action_to_env, check_spaces, close_all
 from sebulba.envs.output_checks import (
+    BadEnvOutput,
     BatchCheck,
     bad_output,
     env_name,
@@ -167,9 +168,10 @@ class ParallelEnvSource:
         self.padding_steps = 0
         # With `check_output`: each agent's fields as they leave its env, and the rows
         # recv returns (`output_checks`); None: no check at all.
+        self._name = env_name(env) if env is not None else repr(envs[0])
         self._check = BatchCheck(
-            env_name(env) if env is not None else repr(envs[0]),
-            with_agent_id_space(space, k) if agent_ids else space, rows, self._place,
+            self._name, with_agent_id_space(space, k) if agent_ids else space, rows,
+            self._place,
         ) if check_output else None
         self._zero_obs = np.zeros(self._obs_shape, self._obs_dtype)  # a left agent's
 
@@ -180,8 +182,23 @@ class ParallelEnvSource:
         return f"agent {self.agents[row % k]!r} of {env}, row {row}" if agent else env
 
     def _raise_bad(self, row: int, field: str, problem: str, agent: bool = True) -> None:
-        raise bad_output(self._check.env, self._place(row, agent), self._check.step(0),
+        raise bad_output(self._name, self._place(row, agent), self._check.step(0),
                          field, problem)
+
+    def _broken_contract(self, row: int, field: str, problem: str) -> BadEnvOutput:
+        """An env output no reading of PettingZoo's Parallel API allows, caught whether or
+        not the output checks are on (the rows would go wrong without an error); the
+        step is the env episode's."""
+        return bad_output(self._name, self._place(row),
+                          int(self._env_lengths[row // self.agents_per_env]), field, problem)
+
+    def _observation(self, row: int, env_obs: dict, agent: str, when: str) -> Any:
+        """Row `row`'s agent's observation, which it must have: it is in `env.agents`."""
+        if agent not in env_obs:
+            raise self._broken_contract(
+                row, "observation", f"is missing {when}, though {agent!r} is in the env's "
+                "agents (a Parallel env observes each of its agents)")
+        return env_obs[agent]
 
     def _check_result(self, row: int, result: Any, step: bool) -> None:
         """BadEnvOutput unless a step's (or reset's) result has gymnasium's form, with
@@ -225,15 +242,16 @@ class ParallelEnvSource:
         k = self.agents_per_env
         if self._check is not None:
             self._check_result(i * k, result, step=False)
-            for j in range(k):
-                self._check_agent(i * k + j, result[0], {}, {}, {})
+            for j, agent in enumerate(self.agents):
+                if agent in env.agents:  # the others' entries, if any, are never read
+                    self._check_agent(i * k + j, result[0], {}, {}, {})
         env_obs, _ = result
         rows = slice(i * k, (i + 1) * k)
         for j, agent in enumerate(self.agents):
             row = i * k + j
             self._live[row] = agent in env.agents
             if self._live[row]:
-                obs[row] = env_obs[agent]
+                obs[row] = self._observation(row, env_obs, agent, "at the reset")
             else:
                 terminated[row] = True
                 self.padding_steps += self._acted  # steps are counted once acting began
@@ -295,18 +313,30 @@ class ParallelEnvSource:
             self._env_lengths[i] += 1
             for j, agent in enumerate(self.agents):
                 row = base + j
-                if self._check is not None:
+                present = agent in env.agents
+                if self._check is not None and (was_live[j] or present):
+                    # (an agent gone before this step: its entries, if any, are not read)
                     self._check_agent(row, env_obs, env_reward, env_term, env_trunc)
                 if not was_live[j]:
-                    if agent in env.agents:  # joined the running episode: it starts here
-                        obs[row] = env_obs[agent]
+                    if present:  # joined the running episode: it starts here
+                        obs[row] = self._observation(row, env_obs, agent, "as it joins")
                         first[row] = self._live[row] = True
                         self._returns[row] = self._lengths[row] = 0
+                        # A reward at its joining step is the team's (its row's is 0).
+                        self._team_returns[i] += float(env_reward.get(agent, 0.0))
                     else:  # padding until its env resets
                         first[row] = terminated[row] = True
                         self.padding_steps += 1
                     continue
-                if agent in env_obs:  # PettingZoo envs may omit a leaving agent's
+                flagged = bool(env_term.get(agent, False) or env_trunc.get(agent, False))
+                if flagged and present:
+                    raise self._broken_contract(
+                        row, "agents", f"still hold {agent!r}, whose episode the step ended "
+                        "(terminations or truncations): a Parallel env removes an agent "
+                        "whose episode ended from env.agents")
+                if present:
+                    obs[row] = self._observation(row, env_obs, agent, "after the step")
+                elif agent in env_obs:  # PettingZoo envs may omit a leaving agent's
                     obs[row] = env_obs[agent]  # last observation: zeros then
                 reward[row] = env_reward.get(agent, 0.0)
                 terminated[row] = env_term.get(agent, False)
