@@ -344,7 +344,8 @@ def choose_env(task_id: str, num_threads: int, source: str = "auto"
     reasons = []
     if source in ("auto", "envpool"):
         if importlib.util.find_spec("envpool") is None:
-            reasons.append("envpool is not installed (pip install 'sebulba[envpool]')")
+            reasons.append("envpool is not installed (pip install -e '.[envpool]' in "
+                           "sebulba's checkout)")
         else:
             kwargs = {"num_threads": num_threads}
             try:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 import sebulba
 from sebulba.envs import registry
@@ -213,8 +214,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def run_main(main: Callable[[list[str]], Any]) -> None:
-    """`absl.app.run(main)`, with `app.UsageError` and bad flags as a one-line error."""
+    """`absl.app.run(main)`, with `app.UsageError` and bad flags as a one-line error, and
+    absl's logs from WARNING up unless `--verbosity` says otherwise: orbax logs every
+    checkpoint step at INFO, dozens of lines through the progress bar and the results."""
     def checked_main(argv: list[str]) -> Any:
+        if not flags.FLAGS["verbosity"].present:
+            absl_logging.set_verbosity(absl_logging.WARNING)
         try:
             return main(argv)
         except app.UsageError as e:

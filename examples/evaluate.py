@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from absl import app, flags
 
 from examples.checkpoints import eval_vectorization, load_policy
@@ -31,26 +33,35 @@ def main(argv: list[str]) -> None:
     for flag, low in ((_EPISODES, 1), (_NUM_ENVS, 1), (_SEED, 0)):
         if flag.value < low:
             raise app.UsageError(f"--{flag.name} must be >= {low}, got {flag.value}")
+    skipped: list[int] = []
     try:
-        agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value)
+        agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value, skipped)
     except FileNotFoundError as e:
         flag = "--step" if _STEP.value is not None and "no checkpoint" in str(e) else (
             "--checkpoint")
         value = _STEP.value if flag == "--step" else _CHECKPOINT.value
         raise app.UsageError(f"{flag}={value}: {e}") from None
+    except ValueError as e:  # damaged, another run's shapes, an unknown agent
+        raise app.UsageError(f"--checkpoint={_CHECKPOINT.value}: {str(e).splitlines()[0]}"
+                             ) from None
+    for step in skipped:
+        print(f"checkpoint {step} is damaged: passed over", file=sys.stderr)
     vectorization = eval_vectorization(meta)
     # A video is of one env made from the id: the run's spaces only where the run's kind
     # made each env itself (an id's own vector env may preprocess frames).
     if _VIDEO_DIR.value and not registry.get(vectorization).wraps_each_env:
+        why = ("a video records one gymnasium env, and this is a multi-agent env"
+               if vectorization == "pettingzoo" else
+               "whose envs preprocess frames and do not render")
         raise app.UsageError(
             f"--video_dir: env {meta['env']!r} was trained through vectorization "
-            f"{vectorization!r}, whose envs preprocess frames and do not render")
+            f"{vectorization!r}: {why}")
     greedy = not _SAMPLED.value
     wrappers = meta.get("env_wrappers") or ()
     result = evaluate(agent, nets, meta["env"], _EPISODES.value, greedy=greedy,
                       num_envs=_NUM_ENVS.value, seed=_SEED.value,
                       env_kwargs=meta["env_kwargs"], vectorization=vectorization,
-                      env_wrappers=wrappers)
+                      agent_ids=meta.get("agent_ids", False), env_wrappers=wrappers)
     report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
               **result.as_dict()}
     if _VIDEO_DIR.value:

@@ -350,7 +350,7 @@ def check_watching_flags() -> None:
             import wandb  # noqa: F401 - only whether it is installed
         except ImportError:
             raise app.UsageError("--wandb_project needs the wandb extra: pip install "
-                                 "'sebulba[wandb]'") from None
+                                 "-e '.[wandb]' in sebulba's checkout") from None
 
 
 def check_flags_that_need_others() -> None:

@@ -94,7 +94,7 @@ class WandbWriter:
             import wandb
         except ImportError:
             raise ValueError("Weights & Biases needs the wandb extra: pip install "
-                             "'sebulba[wandb]'") from None
+                             "-e '.[wandb]' in sebulba's checkout") from None
         self._wandb = wandb
         self._run = wandb.init(project=project, dir=logdir, config=dict(config), mode=mode,
                                name=name, reinit="create_new")

@@ -32,7 +32,7 @@ the rows from before the resume at or past the env step of its first training ro
 dropped (the resumed run logs those steps again).
 
 The reading, grouping and resampling are plain functions (numpy only); matplotlib
-(`pip install sebulba[plot]`) is needed only to draw.
+(`pip install -e '.[plot]' in sebulba's checkout`) is needed only to draw.
 """
 
 from __future__ import annotations
@@ -297,7 +297,8 @@ def draw(runs: Sequence[Run], groups: Mapping[str, Sequence[Run]], out: str, *,
         import matplotlib.pyplot as plt
         from matplotlib.ticker import EngFormatter
     except ImportError:
-        raise PlotError("matplotlib is not installed: pip install sebulba[plot]") from None
+        raise PlotError("matplotlib is not installed: pip install -e '.[plot]' in sebulba's "
+                        "checkout") from None
 
     chosen = panels(runs, x)
     fig, axes = plt.subplots(1, len(chosen), figsize=(5.2 * len(chosen), 3.9), squeeze=False)

@@ -143,3 +143,22 @@ def test_resume_with_no_intact_checkpoint_stops_with_one_line_naming_the_directo
     assert result.stderr.count("--resume: skipping checkpoint") == 3
     assert "Traceback" not in result.stderr and "env steps" not in result.stdout
     assert steps_in(checkpoints) == steps_in(os.path.join(trained, "checkpoints"))  # untouched
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_passes_over_damaged_checkpoints_as_resume_does(trained, tmp_path):
+    """examples.evaluate's default is the newest intact checkpoint (it crashed on a
+    damaged newest one); a damaged step asked for by --step is one line, no traceback."""
+    logdir = str(tmp_path / "run")
+    shutil.copytree(trained, logdir)
+    checkpoints = os.path.join(logdir, "checkpoints")
+    newest, second, _ = steps_in(checkpoints)[::-1]
+    damage(os.path.join(checkpoints, str(newest)), "meta", "garbled")
+    result = run("examples.evaluate", f"--checkpoint={logdir}", "--episodes=2",
+                 "--num_envs=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"checkpoint {newest} is damaged: passed over" in result.stderr
+    assert f'"checkpoint_env_steps": {second}' in result.stdout
+    asked = run("examples.evaluate", f"--checkpoint={logdir}", f"--step={newest}")
+    assert asked.returncode == 2 and "Traceback" not in asked.stderr
+    assert f"--checkpoint={logdir}: checkpoint {newest}" in asked.stderr

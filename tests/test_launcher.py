@@ -295,3 +295,22 @@ def test_distributed_takes_the_cluster_from_a_slurm_environment():
          for i in range(2)])
     primary = last_json(outputs[0])
     assert primary["num_processes"] == 2 and primary["consumed"] < primary["global_consumed"]
+
+
+@pytest.mark.timeout(240)
+def test_a_multiagent_run_with_agent_ids_evaluates_from_its_checkpoint(tmp_path):
+    """The README's role_call run: its policy reads observations extended by the agent's
+    one-hot, which evaluation must extend too (it restored the networks against the
+    plain observations and stopped with a shape mismatch)."""
+    logdir = str(tmp_path / "roles")
+    trained = run("examples.train", "--agent=ppo", "--vectorization=pettingzoo",
+                  "--env=sebulba.envs.suite.role_call", "--agent_ids", f"--logdir={logdir}",
+                  "--envs_per_group=4", "--steps_per_cycle=8", "--async_factor=1",
+                  "--total_env_steps=256", "--progress=false")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = run("examples.evaluate", f"--checkpoint={logdir}", "--episodes=4", "--num_envs=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = last_json(result.stdout)
+    assert report["episodes"] >= 4 and report["checkpoint_env_steps"] >= 256
+    # absl's INFO lines (orbax logs every checkpoint step) are off unless --verbosity
+    assert not [line for line in result.stderr.splitlines() if line.startswith("I")]

@@ -23,8 +23,9 @@ def test_notebook_runs(name, monkeypatch):
     # (envpool sets MPLBACKEND=Agg when imported) would hide the plots.
     monkeypatch.delenv("MPLBACKEND", raising=False)
     notebook = nbformat.read(os.path.join(ROOT, "examples", name), as_version=4)
+    # Run where Jupyter runs it: in the notebook's folder, the checkout's examples/.
     client = NotebookClient(notebook, timeout=500, kernel_name="python3",
-                            resources={"metadata": {"path": ROOT}})
+                            resources={"metadata": {"path": os.path.join(ROOT, "examples")}})
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on failure
     outputs = [o for cell in notebook.cells if cell.cell_type == "code"
                for o in cell.get("outputs", [])]

@@ -247,5 +247,6 @@ def test_errors_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
     assert "cannot write" in error_of([a, "-o", str(tmp_path / "no" / "x.png")], capsys)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert error_of([a, "-o", out], capsys) == (
-        "sebulba-plot: error: matplotlib is not installed: pip install sebulba[plot]\n")
+        "sebulba-plot: error: matplotlib is not installed: pip install -e '.[plot]' in "
+        "sebulba's checkout\n")
     assert not os.path.exists(out)

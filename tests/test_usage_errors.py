@@ -286,10 +286,11 @@ def test_the_launcher_trains_evaluates_and_checkpoints_wrapped_envs(tmp_path):
 def test_the_progress_bar_shows_returns_in_significant_digits():
     # One decimal would show 0.0 for a mean return of 0.0432.
     from sebulba.metrics import Reporter
+    from sebulba.runtime.accounting import Accounting
 
-    accounting = types.SimpleNamespace(
-        consumed=64, episodes_since=lambda since: ([(10, 0.0123, 5), (20, 0.0741, 5)][since:], 2),
-        stage_seconds={})
+    accounting = Accounting()
+    accounting.add_episodes([(0.0123, 5), (0.0741, 5)])
+    accounting.consumed = 64
     info = types.SimpleNamespace(accounting=accounting, metrics={}, version=1, evaluations=())
     reporter = Reporter(1000, every_seconds=0.0, progress=True)
     try:

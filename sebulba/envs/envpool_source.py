@@ -52,7 +52,8 @@ def _envpool():
         import envpool
     except ImportError:
         raise ValueError(
-            "vectorization 'envpool' needs the envpool package: pip install 'sebulba[envpool]'"
+            "vectorization 'envpool' needs the envpool package: pip install -e '.[envpool]' "
+            "in sebulba's checkout"
         ) from None
     return envpool
 

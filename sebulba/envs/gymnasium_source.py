@@ -38,7 +38,7 @@ def register_env_family(env_id: str) -> None:
             import ale_py
         except ImportError:
             raise ImportError(
-                f"env {env_id!r} needs ale-py: pip install 'sebulba[atari]'"
+                f"env {env_id!r} needs ale-py: pip install -e '.[atari]' in sebulba's checkout"
             ) from None
         gym.register_envs(ale_py)
 
