@@ -323,3 +323,44 @@ def test_evaluation_is_off_unless_asked_for():
     assert config.eval_every_updates == 0
     assert dataclasses.replace(config, eval_every_updates=5).resolved_eval_device() == (
         config.resolved_inference_devices()[0])
+
+
+class EndlessOnFilm(gym.Env):
+    """CartPole whose episodes never end where it is filmed (made with render_mode
+    "rgb_array", as the evaluator's video env is)."""
+
+    observation_space = gym.make("CartPole-v1").observation_space
+    action_space = gym.spaces.Discrete(2)
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(self, render_mode=None):
+        self.env, self.render_mode = gym.make("CartPole-v1"), render_mode
+
+    def reset(self, *, seed=None, options=None):
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        if self.render_mode == "rgb_array":
+            return np.zeros(4, np.float32), 1.0, False, False, {}
+        return self.env.step(action)
+
+    def render(self):
+        return np.zeros((8, 8, 3), np.uint8)
+
+
+# An id, so that the video env gets its render_mode (env_kwargs go to ids, not factories).
+gym.register(id="SebulbaTest/EndlessOnFilm-v0", entry_point=EndlessOnFilm)
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_whose_video_outruns_the_share_is_kept_and_the_cut_video_counted(
+        tmp_path, no_leftovers):
+    # The episodes end; the filmed one never does, and the share stops its recording: the
+    # evaluation stands without its video, and the run says so (it said nothing).
+    result = run_with_evaluation(30_000, env="SebulbaTest/EndlessOnFilm-v0", eval_every_updates=1,
+                                 eval_episodes=2, eval_max_share=0.05,
+                                 eval_video_dir=str(tmp_path / "videos"), eval_video_every=1)
+    assert result.evaluations and all(e.video is None for e in result.evaluations)
+    assert result.evaluation_videos_cut >= 1
+    assert result.as_dict()["evaluation_videos_cut"] == result.evaluation_videos_cut
+    assert "kept without the video due then" in result.summary()

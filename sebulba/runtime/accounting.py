@@ -222,6 +222,8 @@ class RunResult:
         those of abandoned evaluations included.
       evaluations_abandoned: evaluations given up for running past
         `Config.eval_max_share` (their networks' episodes outlasted the estimate).
+      evaluation_videos_cut: evaluations kept without the video due with them
+        (`Config.eval_video_every`), whose recording ran past `Config.eval_max_share`.
       episodes_total: the run's completed episodes, all counted.
       lag_count, lag_sum, lag_max: trajectories consumed over the whole run, and the sum
         and maximum of their policy lags (`policy_lags` keeps only the most recent).
@@ -256,6 +258,7 @@ class RunResult:
     evaluations: list[Any] = dataclasses.field(default_factory=list)
     evaluator_env_steps: int = 0
     evaluations_abandoned: int = 0
+    evaluation_videos_cut: int = 0
 
     @property
     def team_steps(self) -> int:
@@ -327,6 +330,7 @@ class RunResult:
             **({"evaluations": len(self.evaluations),
                 "evaluator_env_steps": self.evaluator_env_steps,
                 "evaluations_abandoned": self.evaluations_abandoned,
+                "evaluation_videos_cut": self.evaluation_videos_cut,
                 "last_evaluation": self.evaluations[-1].scalars() if self.evaluations
                 else None}
                if self.evaluations or self.evaluator_env_steps else {}),
@@ -367,6 +371,9 @@ class RunResult:
         if self.evaluations_abandoned:
             line += (f", {self.evaluations_abandoned} more abandoned for running past "
                      "eval_max_share")
+        if self.evaluation_videos_cut:
+            line += (f", {self.evaluation_videos_cut} kept without the video due then (the "
+                     "recording ran past eval_max_share)")
         if self.evaluations:
             last = self.evaluations[-1]
             line += (f"; the last, of update {last.learner_update}: mean return "

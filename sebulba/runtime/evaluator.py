@@ -120,6 +120,7 @@ class Evaluator:
         self._abandon = threading.Event()  # set by `offer`: the evaluation under way is over
         self._stop = _AnyOf(halt, self._abandon)
         self.abandoned = 0
+        self.videos_cut = 0  # videos stopped by the share, their evaluations kept
         self.thread = threading.Thread(target=self._main, name="sebulba-evaluator", daemon=True)
 
     @property
@@ -218,6 +219,8 @@ class Evaluator:
                 frames = recorded[0]
                 video = save_video(frames, cfg.eval_video_dir,
                                    f"update_{learner_update:08d}", self._video.fps)
+            elif not self._halt.is_set():  # the share ran out during the video: say so
+                self.videos_cut += 1
         self._evaluations += 1
         self._last_steps = self.env_steps - start_steps
         return Evaluation(learner_update, env_steps, result, seconds, video, frames,

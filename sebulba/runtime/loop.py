@@ -501,6 +501,7 @@ class Sebulba:
             evaluations=run.evaluations,
             evaluator_env_steps=run.evaluator.env_steps if run.evaluator else 0,
             evaluations_abandoned=run.evaluator.abandoned if run.evaluator else 0,
+            evaluation_videos_cut=run.evaluator.videos_cut if run.evaluator else 0,
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:
