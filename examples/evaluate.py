@@ -49,10 +49,10 @@ def main(argv: list[str]) -> None:
     vectorization = eval_vectorization(meta)
     # A video is of one env made from the id: the run's spaces only where the run's kind
     # made each env itself (an id's own vector env may preprocess frames).
-    if _VIDEO_DIR.value and not registry.get(vectorization).wraps_each_env:
+    kind = registry.get(vectorization)
+    if _VIDEO_DIR.value and not kind.wraps_each_env:
         why = ("a video records one gymnasium env, and this is a multi-agent env"
-               if vectorization == "pettingzoo" else
-               "whose envs preprocess frames and do not render")
+               if kind.multi_agent else "whose envs preprocess frames and do not render")
         raise app.UsageError(
             f"--video_dir: env {meta['env']!r} was trained through vectorization "
             f"{vectorization!r}: {why}")
