@@ -79,15 +79,18 @@ MLP_ENV_ID = "CartPole-v1"
 TRAINING = {"breakout_ppo": ("ppo", BREAKOUT_ID), "breakout_impala": ("impala", BREAKOUT_ID),
             "halfcheetah_ppo": ("ppo", HALFCHEETAH_ID)}
 ENV_SOURCES = ("auto", "envpool", "gymnasium")
-# Without EnvPool: (env id, vectorization, the module it needs) of each EnvPool task.
-GYMNASIUM_SOURCES = {BREAKOUT_ID: ("ALE/Breakout-v5", "vector_entry_point", "ale_py"),
-                     HALFCHEETAH_ID: ("HalfCheetah-v5", "sync", "mujoco")}
+# Without EnvPool, for each EnvPool task: (env id, vectorization, the module it needs,
+# whether num_threads is its env_kwarg, the records' name for it).
+GYMNASIUM_SOURCES = {
+    BREAKOUT_ID: ("ALE/Breakout-v5", "vector_entry_point", "ale_py", True, "ale_py vector env"),
+    HALFCHEETAH_ID: ("HalfCheetah-v5", "sync", "mujoco", False, "gymnasium sync"),
+}
 
 # Issue 29's targets, on an H100 with 16 CPU cores.
 LATENCY_TARGET_ENVS = 256
 LATENCY_TARGET_US = {"mlp": 200.0, "nature_cnn": 1000.0}  # median of one acting call
 BREAKOUT_PPO_STEPS_PER_SECOND = 10_000  # consumed env steps/s (40,000 frames/s)
-BREAKOUT_PPO_TO_BOUND = 0.7  # of min(EnvPool alone, learner-only)
+BREAKOUT_PPO_TO_BOUND = 0.7  # of min(envs alone, learner-only)
 
 # The full run's sizes; `--smoke` replaces them (flags given still win).
 SMOKE = {
@@ -186,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train_seconds", type=_positive_seconds, default=45.0,
                    help="training stages: wall seconds of the measured run")
     p.add_argument("--bound_seconds", type=_positive_seconds, default=8.0,
-                   help="training stages: seconds of each bound (EnvPool alone, learner-only)")
+                   help="training stages: seconds of each bound (envs alone, learner-only)")
     p.add_argument("--max_seconds", type=_positive_seconds, default=450.0,
                    help="the run's budget (see above)")
     p.add_argument("--seed", type=int, default=0)
@@ -354,14 +357,13 @@ def choose_env(task_id: str, num_threads: int, source: str = "auto"
             except Exception as e:  # noqa: BLE001 - a missing ROM or asset: say so
                 reasons.append(f"EnvPool cannot make {task_id!r}: {type(e).__name__}: {e}")
     if source in ("auto", "gymnasium"):
-        env, vectorization, module = GYMNASIUM_SOURCES[task_id]
-        kwargs = {"num_threads": num_threads} if module == "ale_py" else {}
+        env, vectorization, module, threaded, name = GYMNASIUM_SOURCES[task_id]
+        kwargs = {"num_threads": num_threads} if threaded else {}
         if importlib.util.find_spec(module) is None:
             reasons.append(f"{module} is not installed, for gymnasium's {env!r}")
         else:
             try:
                 spec = sebulba.env_spec(env, kwargs, vectorization=vectorization)
-                name = "ale_py vector env" if module == "ale_py" else f"gymnasium {vectorization}"
                 return EnvChoice(env, vectorization, kwargs, spec, name), None
             except Exception as e:  # noqa: BLE001
                 reasons.append(f"gymnasium cannot make {env!r}: {type(e).__name__}: {e}")

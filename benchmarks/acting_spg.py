@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     poll = {v: sebulba.Config(env=ENV_ID, vectorization=v).action_poll_seconds
             for v in args.vectorizations}
 
-    def run_bare(v: str, e: int, af: int, repeat: int) -> None:
+    def run_bare(v: str, e: int, af: int, repeat: int, of_repeat: dict) -> None:
         if v in POOLS:
             sps = bare_pool_loop(agent, ENV_ID, e, af, vector_steps * af, args.seed,
                                  poll_s=poll[v])
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             sps = bare_loop(agent, lambda: make_vector_env(ENV_ID, e, v), vector_steps,
                             args.seed, poll_s=poll[v])
         bare[v, e, af].append(sps)
-        bare_of_repeat[v, e, af].append(sps)
+        of_repeat[v, e, af].append(sps)
         emit({"record": "bare_loop", "repeat": repeat, "vectorization": v,
               "async_factor": af, "envs_per_group": e, "steps_per_second": round(sps, 1)})
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                     emit({"record": "env_only", "repeat": repeat, "vectorization": v,
                           "async_factor": af, "envs_per_group": e,
                           "steps_per_second": round(sps, 1)})
-                    run_bare(v, e, af, repeat)
+                    run_bare(v, e, af, repeat, bare_of_repeat)
             sps = inference_only(agent, e, vector_steps, args.seed)
             infer[e].append(sps)
             emit({"record": "inference_only", "repeat": repeat, "envs_per_group": e,
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         # machine's speed within the repeat (other VMs, other processes) hits both sides.
         for v, af, e in dict.fromkeys(
                 (v, af if v in POOLS else 1, e) for v, af, e, _ in loops):
-            run_bare(v, e, af, repeat)
+            run_bare(v, e, af, repeat, bare_of_repeat)
         for key in order:
             v, af, e, _ = key
             around = bare_of_repeat[v, e, af if v in POOLS else 1]

@@ -515,9 +515,6 @@ def restore_intact(launch: Launch, state: sebulba.AgentState):
         try:
             restored = checkpointer.restore(nets=state.nets, opt=state.opt,
                                             metadata=launch.metadata, step=step)
-            if step not in launch.own.all_steps():
-                raise ValueError(f"--resume: checkpoint {step} has no part of process "
-                                 f"{jax.process_index()} in {launch.own.directory}")
             mine = launch.own.restore(
                 nets=None, opt=None, metadata=launch.metadata, step=step,
                 local_experience=like_experience, step_state=state.step_state)
@@ -595,19 +592,16 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
         last_info = info
         reporter(info)
         step = reporter.global_step(info)
-        # A stopped run saves at once, before its threads and envs are shut down, to
-        # stay within the grace. With several processes the run goes on to the update
-        # they all stop after, and on_stop saves that one, in every process alike: a
-        # part saved here by the signalled process alone would restore nothing.
-        stopping = preemption.event.is_set() and jax.process_count() == 1
-        if own is not None and (step >= next_save or stopping):
+        if own is not None and step >= next_save:
             save(step, info)
             next_save = step + _CHECKPOINT_EVERY.value
 
-    def on_stop() -> None:
-        """The run stopped (a single process: while its learner waited for a trajectory,
-        after the last on_update; several: after the update they all stop after): its
-        state is saved before the shutdown, not after it."""
+    def save_last() -> None:
+        """The last update's state, unless saved already. A stopped run calls it (as
+        `on_stop`) before its threads and envs are shut down, to stay within the grace:
+        after the update it stopped after, the same in every process (a part saved by
+        the signalled process alone, at the update it saw the signal, would restore
+        nothing); a run that ends calls it last."""
         if own is not None and last_info is not None:
             step = reporter.global_step(last_info)
             if step not in own.all_steps():
@@ -616,14 +610,11 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
     try:
         result = launch.loop.run(
             _TOTAL_ENV_STEPS.value - launch.consumed, launch.state, on_update=on_update,
-            local_experience=launch.local_experience, stop=preemption.event, on_stop=on_stop,
+            local_experience=launch.local_experience, stop=preemption.event, on_stop=save_last,
             progress_timeout_s=_PROGRESS_TIMEOUT.value,
             learner_updates=launch.learner_updates)
         reporter.finish(result.evaluations)
-        if own is not None and last_info is not None:
-            step = reporter.global_step(last_info)
-            if step not in own.all_steps():
-                save(step, last_info)
+        save_last()
     finally:
         reporter.close()
         launch.close()

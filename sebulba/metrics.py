@@ -217,7 +217,6 @@ class Reporter:
         self._team_episodes_seen = 0
         # The last update seen: `finish` writes its row unless a row of its step was.
         self._last_update: _Update | None = None
-        self._row_step: int | None = None
         self._eval_return: float | None = None  # the last evaluation's, for the bar
         self._evaluations_written = 0
         self._videos = ThreadPoolExecutor(1, thread_name_prefix="sebulba-video-writer")
@@ -257,7 +256,7 @@ class Reporter:
             self._team_episodes_seen)
         recent = [r for _, r, _ in episodes]
         sps = (step - self._last_steps) / max(now - self._last_write, 1e-9)
-        self._last_write, self._last_steps, self._row_step = now, step, step
+        self._last_write, self._last_steps = now, step
         scalars = {f"learner/{k}": v for k, v in update.metrics.items()}
         scalars["throughput/consumed_steps_per_second"] = sps
         scalars["learner/version"] = update.version
@@ -289,7 +288,8 @@ class Reporter:
         call; they are dropped from `evaluations` (a list) once handed to the writers, so
         that the result keeps figures, not hundreds of MB.
         """
-        if self._last_update is not None and self._last_update.step != self._row_step:
+        # (`_last_steps` is the step of the last row: an update always consumes steps)
+        if self._last_update is not None and self._last_update.step != self._last_steps:
             self._write_row(self._last_update)  # not a second row of one step
         for i in range(self._evaluations_written, len(evaluations)):
             self._write_evaluation(evaluations[i])

@@ -305,7 +305,7 @@ MANY_STEPS_SCRIPT = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import functools, sebulba
-from tests.envs import CountingEnv, HangingEnv
+from tests.envs import CountingEnv
 from tests.test_learner import ManySteps
 env = functools.partial(CountingEnv, 5)
 cfg = sebulba.Config(env=env, envs_per_group=4, steps_per_cycle=3, learner_devices=[0, 1])

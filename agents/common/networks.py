@@ -83,14 +83,13 @@ class NatureCNN(nn.Module):
 
     Maps uint8 frames [..., *frame_shape] (0-255; `layout` "HWC", "CHW" or "HW", from
     `sebulba.envs.observations.image_layout`) to features [..., 512]. Frames travel as uint8
-    and become NHWC floats in [0, 1] here, on the device. `padding` "VALID" is the
-    published torso; frames with a side under `NATURE_CNN_MIN_SIDE` need "SAME", or its
-    convolutions leave no features and the network's outputs ignore the frames
-    (`torso_for` chooses).
+    and become NHWC floats in [0, 1] here, on the device. Its convolutions are the
+    published torso's, unpadded; frames with a side under `NATURE_CNN_MIN_SIDE` take them
+    padded ("SAME"), or they would leave no features and the network's outputs would
+    ignore the frames.
     """
 
     layout: str = "HWC"
-    padding: str = "VALID"
 
     @nn.compact
     def __call__(self, frames: jax.Array) -> jax.Array:
@@ -102,9 +101,10 @@ class NatureCNN(nn.Module):
         elif self.layout == "HW":
             x = x[..., None]
         init = nn.initializers.orthogonal(np.sqrt(2.0))
+        padding = "VALID" if min(x.shape[1:3]) >= NATURE_CNN_MIN_SIDE else "SAME"
         for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
             x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride),
-                                padding=self.padding, kernel_init=init)(x))
+                                padding=padding, kernel_init=init)(x))
         x = nn.relu(nn.Dense(512, kernel_init=init)(x.reshape(x.shape[0], -1)))
         return x.reshape(batch_shape + (512,))
 
@@ -287,10 +287,7 @@ def torso_for(observation_space: gym.Space, hidden_sizes: Sequence[int],
     Nature CNN for frames, else the encoder followed by an MLP of `hidden_sizes`."""
     kind = observations.kind(observation_space)
     if kind == observations.IMAGE:
-        layout = observations.image_layout(observation_space)
-        shape = tuple(observation_space.shape)
-        sides = {"HWC": shape[:2], "CHW": shape[1:], "HW": shape}[layout]
-        return NatureCNN(layout, "VALID" if min(sides) >= NATURE_CNN_MIN_SIDE else "SAME")
+        return NatureCNN(observations.image_layout(observation_space))
     if kind == observations.DISCRETE:
         return nn.Sequential([encoder_for(observation_space), MLP(tuple(hidden_sizes),
                                                                   activation)])

@@ -328,8 +328,8 @@ class ParallelEnvSource:
                         first[row] = terminated[row] = True
                         self.padding_steps += 1
                     continue
-                flagged = bool(env_term.get(agent, False) or env_trunc.get(agent, False))
-                if flagged and present:
+                term, trunc = env_term.get(agent, False), env_trunc.get(agent, False)
+                if present and (term or trunc):
                     raise self._broken_contract(
                         row, "agents", f"still hold {agent!r}, whose episode the step ended "
                         "(terminations or truncations): a Parallel env removes an agent "
@@ -339,10 +339,9 @@ class ParallelEnvSource:
                 elif agent in env_obs:  # PettingZoo envs may omit a leaving agent's
                     obs[row] = env_obs[agent]  # last observation: zeros then
                 reward[row] = env_reward.get(agent, 0.0)
-                terminated[row] = env_term.get(agent, False)
+                terminated[row] = term
                 # an agent gone without either flag is treated as truncated
-                truncated[row] = not terminated[row] and (
-                    env_trunc.get(agent, False) or agent not in env.agents)
+                truncated[row] = not term and (trunc or not present)
                 self._returns[row] += reward[row]
                 self._lengths[row] += 1
                 if terminated[row] or truncated[row]:

@@ -46,7 +46,7 @@ def to_device(tree: PyTree, device: jax.Device, place: str) -> PyTree:
     JAX's fastest path) or, inside `guarded`, copied explicitly."""
     if _counts is not None:
         _count(place)
-    if getattr(_guarded, "on", False):
+    if is_guarded():
         return jax.device_put(tree, device)
     return tree
 
@@ -60,7 +60,7 @@ def to_host(x: jax.Array, place: str) -> np.ndarray:
     """`x` as a NumPy array (waits for it); explicitly inside `guarded`."""
     if _counts is not None:
         _count(place)
-    if getattr(_guarded, "on", False):
+    if is_guarded():
         return jax.device_get(x)
     return np.asarray(x)
 
@@ -69,7 +69,7 @@ def to_host_all(xs: list[jax.Array], place: str) -> list[np.ndarray]:
     """`to_host` of each of `xs`, counted as one transfer (their copies start together)."""
     if _counts is not None:
         _count(place)
-    if getattr(_guarded, "on", False):
+    if is_guarded():
         return jax.device_get(xs)
     return [np.asarray(x) for x in xs]
 
