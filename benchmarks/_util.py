@@ -171,6 +171,24 @@ def envpool_only(task_id: str, group_size: int, num_groups: int, batches: int,
     return group_size * (i - 10) / seconds
 
 
+def envs_alone(config, vector_steps: int, seed: int, *, groups: int = 1,
+               seconds: float = 0.0) -> float:
+    """Steps/second of `config`'s envs alone (`sebulba.Config`: env, vectorization,
+    env_kwargs, envs per group), on random actions: an EnvPool kind's one pool of its
+    async_factor groups, pipelined (`envpool_only`); any other kind's vector env of a group,
+    `groups` of them stepped at once (`env_only`). At least `vector_steps` per group and
+    `seconds`."""
+    if config.vectorization in ("envpool", "envpool_async"):
+        return envpool_only(config.env, config.envs_per_group, config.async_factor,
+                            vector_steps * config.async_factor, seed,
+                            dict(config.env_kwargs), seconds=seconds)
+    from sebulba.envs.gymnasium_source import make_vector_env
+
+    return env_only(lambda: make_vector_env(config.env, config.envs_per_group,
+                                            config.vectorization, config.env_kwargs),
+                    vector_steps, seed, groups=groups, seconds=seconds)
+
+
 def _poll_seconds(poll_s: float | None) -> float:
     """How the calibrations below fetch an action: as the loop does by default, polling
     for it before sleeping on it (`Config.action_poll_seconds`; a sleeping thread wakes

@@ -61,7 +61,7 @@ from typing import Any
 from benchmarks import acting_spg
 from benchmarks._util import (
     env_only,
-    envpool_only,
+    envs_alone,
     inference_only,
     learner_only,
     measure,
@@ -370,20 +370,6 @@ def choose_env(task_id: str, num_threads: int, source: str = "auto"
     return None, "; ".join(reasons)
 
 
-def _envs_alone(choice: EnvChoice, envs_per_group: int, num_groups: int, seed: int,
-                seconds: float) -> float:
-    """The envs alone on random actions: one EnvPool of every group (batch a group),
-    pipelined; or each group's vector env, stepped at once by a thread each."""
-    if choice.vectorization == "envpool":
-        return envpool_only(choice.env, envs_per_group, num_groups, 10, seed,
-                            dict(choice.env_kwargs), seconds=seconds)
-    from sebulba.envs.gymnasium_source import make_vector_env
-
-    return env_only(lambda: make_vector_env(choice.env, envs_per_group, choice.vectorization,
-                                            choice.env_kwargs),
-                    10, seed, groups=num_groups, seconds=seconds)
-
-
 def _training_loop(args: argparse.Namespace, agent_name: str, choice: EnvChoice):
     import sebulba
     from agents.registry import AGENTS
@@ -441,8 +427,9 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     late = _short_of_time(args, f"after a warm-up of {warmup_s:.0f} s")
     if late:
         return {"skipped": late}
-    env_sps = _envs_alone(choice, cfg.envs_per_group, cfg.async_factor, args.seed,
-                          args.bound_seconds)
+    # The loop's groups stepped at once (vector envs: a thread each)
+    env_sps = envs_alone(cfg, 10, args.seed, groups=cfg.async_factor,
+                         seconds=args.bound_seconds)
     # Compiled by the warm-up: one update to start, then as many as fit in the seconds.
     learner_sps = learner_only(loop, 1, args.seed, seconds=args.bound_seconds,
                                state=warm.state, warmup_updates=1)

@@ -78,18 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def measure_bounds(args: argparse.Namespace, loop) -> dict[str, float]:
     """Env-only and learner-only env steps/second for `loop`'s configuration, alone."""
-    from benchmarks._util import env_only, envpool_only, learner_only
-    from sebulba.envs.gymnasium_source import make_vector_env
+    from benchmarks._util import envs_alone, learner_only
 
-    cfg = loop.config
-    vector_steps = 200
-    if cfg.vectorization in ("envpool", "envpool_async"):
-        env_sps = envpool_only(cfg.env, cfg.envs_per_group, cfg.async_factor,
-                               vector_steps * cfg.async_factor, args.seed)
-    else:  # one group's vector env alone; the loop's groups share the 2 cores
-        env_sps = env_only(lambda: make_vector_env(cfg.env, cfg.envs_per_group,
-                                                   cfg.vectorization, cfg.env_kwargs),
-                           vector_steps, args.seed)
+    # With vector envs, one group's alone: the loop's groups share the 2 cores.
+    env_sps = envs_alone(loop.config, 200, args.seed)
     learner_sps = learner_only(loop, args.bound_updates, args.seed)
     return {"env_only": round(env_sps, 1), "learner_only": round(learner_sps, 1),
             "bound": round(min(env_sps, learner_sps), 1),
