@@ -326,23 +326,25 @@ def test_evaluation_is_off_unless_asked_for():
 
 
 class EndlessOnFilm(gym.Env):
-    """CartPole whose episodes never end where it is filmed (made with render_mode
-    "rgb_array", as the evaluator's video env is)."""
+    """Episodes of 5 steps, whatever the policy (so that the evaluation's own fit the
+    share), except where it is filmed (made with render_mode "rgb_array", as the
+    evaluator's video env is): there they never end."""
 
-    observation_space = gym.make("CartPole-v1").observation_space
+    observation_space = gym.spaces.Box(-10.0, 10.0, (4,), np.float32)
     action_space = gym.spaces.Discrete(2)
     metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
 
     def __init__(self, render_mode=None):
-        self.env, self.render_mode = gym.make("CartPole-v1"), render_mode
+        self.render_mode, self.steps = render_mode, 0
 
     def reset(self, *, seed=None, options=None):
-        return self.env.reset(seed=seed)
+        self.steps = 0
+        return np.zeros(4, np.float32), {}
 
     def step(self, action):
-        if self.render_mode == "rgb_array":
-            return np.zeros(4, np.float32), 1.0, False, False, {}
-        return self.env.step(action)
+        self.steps += 1
+        ends = self.steps >= 5 and self.render_mode != "rgb_array"
+        return np.full(4, self.steps % 3, np.float32), 1.0, False, ends, {}
 
     def render(self):
         return np.zeros((8, 8, 3), np.uint8)
