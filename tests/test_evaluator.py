@@ -359,8 +359,15 @@ def test_an_evaluation_whose_video_outruns_the_share_is_kept_and_the_cut_video_c
         tmp_path, no_leftovers):
     # The episodes end; the filmed one never does, and the share stops its recording: the
     # evaluation stands without its video, and the run says so (it said nothing).
+    evaluated = []
+
+    def on_update(info):  # slack until the first evaluation is in (its compiling too)
+        evaluated.extend(info.evaluations)
+        if not evaluated:
+            time.sleep(0.05)
+
     result = run_with_evaluation(30_000, env="SebulbaTest/EndlessOnFilm-v0", eval_every_updates=1,
-                                 eval_episodes=2, eval_max_share=0.05,
+                                 eval_episodes=2, eval_max_share=0.05, on_update=on_update,
                                  eval_video_dir=str(tmp_path / "videos"), eval_video_every=1)
     assert result.evaluations and all(e.video is None for e in result.evaluations)
     assert result.evaluation_videos_cut >= 1
