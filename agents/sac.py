@@ -9,9 +9,9 @@ How it fits the Sebulba loop:
 
 - Actions: the policy acts in [-1, 1]^d (tanh of a Gaussian, which float32 rounds to
   +-1 far out); `step` rescales them linearly to the Box's bounds [low, high], which
-  must be finite with low < high. The replay stores them back in [-1, 1], where the
-  critics read them and the target entropy -d is meant (the rescaling only shifts
-  log-probabilities by a constant).
+  must be finite in float32 with low < high. The replay stores them back in [-1, 1],
+  where the critics read them and the target entropy -d is meant (the rescaling only
+  shifts log-probabilities by a constant).
 - Experience: one uniform replay per learner device (`sebulba.experience.replay`,
   sampled with `sample_uniform`), holding `replay_capacity / D` transitions, D the
   run's learner devices: `replay_capacity` counts transitions of the whole run. Every
@@ -49,6 +49,7 @@ How it fits the Sebulba loop:
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -95,12 +96,14 @@ class SACConfig:
         learner devices of the run holds replay_capacity / D, the newest it received).
       learning_starts: env steps of the whole run (every env) received before the
         first gradient step; the actors act at random until its networks reach them
-        (a few more trajectories: those in flight then).
+        (a few more trajectories: those in flight then). With a multi-agent env (N
+        agents per env) it counts agent steps, trajectory rows: N per env step.
       replay_ratio: gradient steps per env step of the run (every env of every
         process), independent of `Config.trajectories_per_update` and of the learner
-        devices. Each learner update runs round(replay_ratio x its env steps) gradient
-        steps, which must not round to 0; 0.5 is 256 steps per update with the
-        launcher's 16 envs x 32 steps. The `replay_ratio` metric is the ratio achieved.
+        devices; per agent step (trajectory row, N per env step) with N agents per env.
+        Each learner update runs round(replay_ratio x its env steps) gradient steps,
+        which must not round to 0; 0.5 is 256 steps per update with the launcher's 16
+        envs x 32 steps. The `replay_ratio` metric is the ratio achieved.
         Published SAC takes 1 (one gradient step per env step); 0.5 halves the learner's
         work, and on Hopper-v5 it ended the training episodes' last 10% of 1M env steps
         at 2,744 over three seeds against 2,421 at 0.25 (benchmarks/RESULTS.md).
@@ -125,10 +128,16 @@ class SACConfig:
         checks.reals(self, "replay_ratio", low=0.0, high=sys.float_info.max, open_low=True,
                      expected="a finite number > 0 (gradient steps per env step)")
         checks.ints(self, "learning_starts", low=0)
-        checks.reals(self, "discount", "tau", low=0.0, high=1.0)
+        checks.reals(self, "discount", low=0.0, high=1.0)
+        checks.reals(self, "tau", low=0.0, high=1.0, open_low=True,
+                     expected="in (0, 1] (at 0 the critics' targets never move)")
         checks.reals(self, "actor_learning_rate", "critic_learning_rate",
-                     "temperature_learning_rate", "initial_temperature", low=0.0,
-                     open_low=True)
+                     "temperature_learning_rate", low=0.0, high=sys.float_info.max,
+                     open_low=True, expected="a finite number > 0")
+        # alpha is a float32: beyond its range the losses are inf or NaN from the start.
+        checks.reals(self, "initial_temperature", low=0.0,
+                     high=float(np.finfo(np.float32).max), open_low=True,
+                     expected="a finite number > 0 (within float32's range)")
 
 
 # Networks.
@@ -208,10 +217,18 @@ class SAC(sebulba.Agent):
                              "a Discrete space)")
         if len(space.shape) != 1:
             raise ValueError(f"SAC needs a 1-D Box action space, got shape {space.shape}")
-        if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
+        # Actions are float32: bounds (and the half-range of the rescaling) beyond its
+        # range would make them inf or NaN at the first step.
+        low, high = np.asarray(space.low, np.float64), np.asarray(space.high, np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            half = 0.5 * high - 0.5 * low  # not (high - low) / 2: that overflows at +-max
+            finite32 = [np.isfinite(x.astype(np.float32)).all() for x in (low, high, half)]
+        if not all(finite32):
             raise ValueError(f"SAC rescales actions to the Box's bounds, which must be "
-                             f"finite; got low={space.low}, high={space.high}")
-        flat = np.flatnonzero(~(space.low < space.high))
+                             f"finite in float32 (|bound| <= {np.finfo(np.float32).max:.4g}); "
+                             f"got {space!r} with low={space.low}, high={space.high}")
+        # low < high, by a half-range float32 holds (a normal number: XLA flushes others)
+        flat = np.flatnonzero(~(half.astype(np.float32) >= np.finfo(np.float32).tiny))
         if len(flat):
             raise ValueError(f"SAC rescales actions to the Box's bounds, which need low < "
                              f"high in every dimension; dimensions {flat.tolist()} have "
@@ -224,8 +241,13 @@ class SAC(sebulba.Agent):
                 " observations); flatten or embed them with a wrapper (--env_wrappers)")
         self.config = config = config or SACConfig()
         self.action_dim = int(space.shape[0])
-        self.low = np.asarray(space.low, np.float32)
-        self.high = np.asarray(space.high, np.float32)
+        # [-1, 1] -> [low, high] as center + half x u, each term finite in float32.
+        self.low, self.high = low.astype(np.float32), high.astype(np.float32)
+        self.center = (0.5 * low + 0.5 * high).astype(np.float32)
+        self.half = half.astype(np.float32)
+        # XLA divides by multiplying with the reciprocal, which is subnormal (flushed to 0)
+        # for a half-range above 2^126: `from_env` divides by sqrt(half) twice instead.
+        self.root_half = np.sqrt(half).astype(np.float32)
         self.target_entropy = -float(self.action_dim)
         obs_rank = len(env_spec.obs_shape)
         self.actor = Actor(self.action_dim, tuple(config.hidden_sizes), obs_rank)
@@ -239,11 +261,11 @@ class SAC(sebulba.Agent):
     # Action bounds: the policy's [-1, 1] <-> the env's [low, high].
 
     def to_env(self, unit_action: jax.Array) -> jax.Array:
-        return self.low + 0.5 * (unit_action + 1.0) * (self.high - self.low)
+        # The clip keeps rounding at float32's edge inside the bounds (inf -> high).
+        return jnp.clip(self.center + self.half * unit_action, self.low, self.high)
 
     def from_env(self, action: jax.Array) -> jax.Array:
-        unit = 2.0 * (action - self.low) / (self.high - self.low) - 1.0
-        return jnp.clip(unit, -1.0, 1.0)
+        return jnp.clip((action - self.center) / self.root_half / self.root_half, -1.0, 1.0)
 
     # Construction.
 
@@ -254,7 +276,8 @@ class SAC(sebulba.Agent):
         return SACNets(
             actor=self.actor.init(actor_key, obs),
             critic=target_network.new(self.critic.init(critic_key, obs, action)),
-            log_alpha=jnp.log(jnp.asarray(self.config.initial_temperature, jnp.float32)),
+            # log in float64: a tiny temperature is 0 in float32, and its log -inf.
+            log_alpha=jnp.asarray(math.log(self.config.initial_temperature), jnp.float32),
             gradient_steps=jnp.zeros((), jnp.int32),
         )
 

@@ -365,6 +365,19 @@ def check_flags_that_need_others() -> None:
         for flag in (_CHECKPOINT_EVERY, _KEEP, _SAVE_EXPERIENCE):
             if flags.FLAGS[flag.name].present:
                 raise ValueError(f"--{flag.name} needs --logdir (where checkpoints go)")
+    # Config reads the evaluation's settings only when it evaluates.
+    given = {field: flags.FLAGS[_RUN_FLAGS.flag_name(field)] for field in (
+        "eval_episodes", "eval_greedy", "eval_max_share", "eval_device", "eval_video_dir",
+        "eval_video_every")}
+    if not flags.FLAGS[_RUN_FLAGS.flag_name("eval_every_updates")].value:
+        for flag in given.values():
+            if flag.present:
+                raise ValueError(f"--{flag.name} sets up evaluation during training: it needs "
+                                 "--eval_every_updates > 0 (without it no evaluation runs)")
+    video = given["eval_video_every"]
+    if video.present and not (_EVAL_VIDEO.value or given["eval_video_dir"].value is not None):
+        raise ValueError(f"--{video.name} spaces the evaluation videos: it needs --eval_video "
+                         "(or --eval_video_dir) to record any")
 
 
 def make_config() -> tuple[object, sebulba.Config]:

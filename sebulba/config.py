@@ -13,6 +13,7 @@ import jax
 from sebulba.envs import registry
 from sebulba.envs.gymnasium_source import EnvFactory
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
+from sebulba.evaluation import check_video_writer
 from sebulba.types import EnvSpec
 
 ASYNC_CONTEXTS = tuple(multiprocessing.get_all_start_methods())
@@ -215,6 +216,9 @@ class Config:
         if self.eval_video_dir is not None and not isinstance(self.eval_video_dir, str):
             raise ValueError(f"eval_video_dir must be a path (str) or None, got "
                              f"{self.eval_video_dir!r}")
+        if self.eval_video_dir == "":  # else os.makedirs("") fails at the first video
+            raise ValueError("eval_video_dir='' is an empty path: name the directory the "
+                             "videos go to, or None for no videos")
         poll = self.action_poll_s
         if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
                                  or not 0 <= poll <= 1):
@@ -242,6 +246,8 @@ class Config:
                              "registry entry has evaluate_as=None)")
         if self.eval_device is not None:
             self.resolved_eval_device()
+        if self.eval_video_dir is not None:
+            check_video_writer(f"eval_video_dir={self.eval_video_dir!r}")
 
     def resolved_eval_device(self) -> jax.Device:
         """The device evaluation runs on."""

@@ -302,9 +302,24 @@ class VideoRecorder:
         close_all(self._sources)
 
 
+def check_video_writer(what: str) -> None:
+    """ValueError, naming `what` records videos, unless moviepy (which encodes them) is
+    there: checked where a run is configured, not at its first video hours later, and
+    with this checkout's extra rather than gymnasium's install hint."""
+    import gymnasium as gym
+
+    try:
+        import gymnasium.utils.save_video  # noqa: F401 - imports moviepy, or raises
+    except (ImportError, gym.error.DependencyNotInstalled) as e:
+        cause = e.__cause__ or e  # gymnasium's error wraps moviepy's ImportError
+        raise ValueError(f"{what} records videos, which needs moviepy ({cause}): pip install "
+                         "-e '.[video]' in sebulba's checkout") from None
+
+
 def save_video(frames: np.ndarray, directory: str, name: str, fps: int = 30) -> str:
     """Writes `frames` [T, H, W, 3] as `directory/name.mp4` (gymnasium's save_video,
     encoded by moviepy); returns the path."""
+    check_video_writer(f"saving {name!r}")
     from gymnasium.utils.save_video import save_video as write
 
     os.makedirs(directory, exist_ok=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+import sys
 
 import gymnasium as gym
 import jax
@@ -13,6 +15,7 @@ import pytest
 import sebulba
 from agents.spg import SPG
 from sebulba.envs import example_env_step
+from sebulba.evaluation import save_video
 from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
@@ -41,6 +44,11 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"eval_video_dir": "videos"}, r"eval_video_dir='videos' records episodes of "
                                        r"evaluations during training: it needs "
                                        r"eval_every_updates > 0"),
+        ({"eval_video_dir": "", "eval_every_updates": 1},
+         r"eval_video_dir='' is an empty path: name the directory the videos go to, or None"),
+        ({"eval_every_updates": 1, "eval_device": 4},
+         r"eval_device has device index 4, but this process has 4 local devices "
+         r"\(indices 0..3\)"),
         ({"inference_devices": [7]}, r"inference_devices has device index 7, but this process "
                                      r"has 4 local devices"),
         ({"learner_devices": []}, r"learner_devices must be a non-empty list"),
@@ -58,6 +66,24 @@ COUNTING = functools.partial(CountingEnv, 5)
 def test_bad_config_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         sebulba.Config(**{"env": COUNTING, **kwargs})
+
+
+def test_videos_without_moviepy_are_refused_at_construction_naming_the_extra(
+        monkeypatch, tmp_path):
+    # As if moviepy were not installed: gymnasium's save_video imports it again and fails.
+    monkeypatch.delitem(sys.modules, "gymnasium.utils.save_video", raising=False)
+    for name in ("moviepy", "moviepy.video.io.ImageSequenceClip"):
+        monkeypatch.setitem(sys.modules, name, None)
+    hint = (r"which needs moviepy \(.*moviepy.*\): pip install -e '\.\[video\]' in "
+            r"sebulba's checkout")
+    directory = re.escape(repr(str(tmp_path)))
+    with pytest.raises(ValueError, match=rf"eval_video_dir={directory} records videos, {hint}"):
+        sebulba.Config(env=COUNTING, eval_every_updates=1, eval_video_dir=str(tmp_path))
+    sebulba.Config(env=COUNTING, eval_every_updates=1)  # no videos: moviepy is not needed
+    # examples.evaluate's --video_dir writes through save_video: the same hint.
+    with pytest.raises(ValueError, match=rf"saving 'episode' records videos, {hint}"):
+        save_video(np.zeros((2, 8, 8, 3), np.uint8), str(tmp_path), "episode")
+    assert not list(tmp_path.iterdir())
 
 
 def test_lockstep_refuses_drops_that_would_leave_an_update_short():

@@ -25,10 +25,11 @@ ROLE_CALL = "sebulba.envs.suite.role_call"
 
 
 def run_with_evaluation(steps: int, agent_cls=SPG, agent_config=None, on_update=None,
-                        learn: bool = True, **config) -> sebulba.RunResult:
+                        learn: bool = True, stop=None, **config) -> sebulba.RunResult:
     config = sebulba.Config(**{"envs_per_group": 8, "steps_per_cycle": 16, **config})
     agent = agent_cls(config.env_spec(), agent_config or SPGConfig())
-    return sebulba.Sebulba(agent, config).run(steps, on_update=on_update, learn=learn)
+    return sebulba.Sebulba(agent, config).run(steps, on_update=on_update, learn=learn,
+                                              stop=stop)
 
 
 @pytest.mark.timeout(120)
@@ -104,6 +105,100 @@ def test_an_evaluation_is_estimated_with_the_episode_it_records(tmp_path, video)
                                own_env_steps=1_000) is not video
     finally:
         assert evaluator.close(timeout_s=1.0)
+
+
+def _offering_evaluator(steps_before: int = 0, **config):
+    from sebulba.runtime.channels import ErrorBox
+    from sebulba.runtime.evaluator import Evaluator
+
+    config = sebulba.Config(**{"eval_every_updates": 1, "eval_episodes": 10,
+                               "eval_max_share": 0.02, **config})
+    agent = SPG(config.env_spec())
+    acting = agent.acting_nets(agent.new_networks(jax.random.key(0)), 0)
+    halt = threading.Event()
+    return Evaluator(agent, config, jax.devices()[0], ErrorBox(halt), halt,
+                     steps_before=steps_before), acting
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_run_evaluates_within_the_share_of_the_training_before_it():
+    """10 envs x a longest episode of 500: 5,000 env steps an evaluation, which 2% of a
+    segment of 200k steps never allows on its own. A run resumed after 10M steps takes
+    one at once (the steps before it allow 200k), then only what its own share allows;
+    a run after 100k steps (2,000 allowed) takes none."""
+    for steps_before, taken in [(10_000_000, [True, False]), (100_000, [False, False]),
+                                (0, [False, False])]:
+        evaluator, acting = _offering_evaluator(steps_before)
+        try:  # never started: offer only decides
+            got = [evaluator.offer(1, 1_000, acting, longest_episode=500,
+                                   own_env_steps=1_000)]
+            if got[0]:  # as if that one had run its estimate
+                evaluator._busy, evaluator.runner.env_steps = False, 5_000
+            got.append(evaluator.offer(2, 2_000, acting, longest_episode=500,
+                                       own_env_steps=2_000))
+            assert got == taken, steps_before
+            assert evaluator.passed_over == taken.count(False)
+        finally:
+            assert evaluator.close(timeout_s=1.0)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_whose_evaluations_were_all_passed_over_says_so(no_leftovers):
+    result = run_with_evaluation(2_048, eval_every_updates=2, eval_episodes=10,
+                                 eval_max_share=0.001)
+    assert not result.evaluations and result.evaluator_env_steps == 0
+    # 16 updates, one due every 2: each passed over (before any episode ended, or over
+    # the share)
+    assert result.evaluations_passed_over == 8
+    assert result.as_dict()["evaluations_passed_over"] == 8
+    assert "8 were due and passed over" in result.summary()
+
+
+@pytest.mark.timeout(60)
+def test_an_error_closing_the_evaluators_envs_does_not_fail_the_run(no_leftovers, caplog):
+    running = threading.Event()  # closes before the run (probing the env) succeed
+
+    class FailingClose(gym.Wrapper):
+        def close(self):
+            super().close()
+            if running.is_set():
+                raise OSError("close failed")
+
+    def make(**kwargs):
+        return FailingClose(gym.make("CartPole-v1", **kwargs))
+
+    config = sebulba.Config(env=make, envs_per_group=8, steps_per_cycle=16,
+                            eval_every_updates=1, eval_episodes=2, eval_max_share=1.0)
+    loop = sebulba.Sebulba(SPG(config.env_spec()), config)
+    running.set()
+    result = loop.run(2_048)  # the training envs' closes fail too: quietly, as before
+    assert result.consumed >= 2_048
+    assert "closing the evaluator's envs failed" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_video_being_written_when_the_run_ends_is_waited_for(tmp_path, monkeypatch,
+                                                                no_leftovers):
+    """Encoding cannot be interrupted: a run that ends while the evaluator writes a video
+    waits for it past shutdown_timeout_s, rather than fail as if a thread were stuck."""
+    from sebulba.runtime import evaluator as evaluator_module
+
+    writing, write = threading.Event(), evaluator_module.save_video
+
+    def slow_save_video(frames, directory, name, fps=30):
+        writing.set()
+        time.sleep(2.0)  # > shutdown_timeout_s
+        return write(frames, directory, name, fps)
+
+    monkeypatch.setattr(evaluator_module, "save_video", slow_save_video)
+    stop = threading.Event()
+    result = run_with_evaluation(
+        200_000, on_update=lambda info: writing.is_set() and stop.set(),
+        eval_every_updates=1, eval_episodes=1, eval_max_share=1.0,
+        eval_video_dir=str(tmp_path), shutdown_timeout_s=0.5, stop=stop)
+    assert result.stopped_early
+    written = os.listdir(tmp_path)
+    assert len(written) == 1 and os.path.getsize(tmp_path / written[0]) > 1000
 
 
 class EvaluatorThreadEnv(gym.Env):

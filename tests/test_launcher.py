@@ -95,6 +95,27 @@ def test_bad_flag_is_a_clear_error_before_anything_starts(flag, message):
     assert "env steps" not in result.stdout
 
 
+@pytest.mark.parametrize("args,message", [
+    # Each would be ignored without evaluation: Config reads them only when it evaluates.
+    *[([flag], f"--{flag[2:].split('=')[0].removeprefix('no')} sets up evaluation during "
+                "training: it needs --eval_every_updates > 0")
+      for flag in ("--eval_episodes=3", "--noeval_greedy", "--eval_max_share=0.1",
+                   "--eval_video_every=2", "--eval_device=0")],
+    (["--eval_every_updates=0", "--eval_episodes=3"], "--eval_episodes sets up evaluation"),
+    (["--eval_every_updates=1", "--eval_video_every=2"],
+     "--eval_video_every spaces the evaluation videos: it needs --eval_video"),
+    (["--eval_every_updates=1", "--eval_device=5"],
+     "--eval_device has device index 5, but this process has 1 local devices"),
+    (["--eval_every_updates=1", "--eval_video_dir="], "--eval_video_dir='' is an empty path"),
+])
+@pytest.mark.timeout(60)
+def test_evaluation_flags_that_would_do_nothing_or_cannot_work_are_errors(args, message):
+    result = run("examples.train", *args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-3000:]
+    assert "env steps" not in result.stdout
+
+
 @pytest.mark.timeout(180)
 def test_evaluations_during_training_reach_every_sink_and_wandb_offline(tmp_path):
     logdir = str(tmp_path / "run")

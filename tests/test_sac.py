@@ -5,6 +5,7 @@ trajectories into transitions; then SAC in the real Sebulba loop."""
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple
 
 import gymnasium as gym
@@ -110,6 +111,36 @@ def test_discrete_and_unbounded_action_spaces_are_refused():
     fixed = gym.spaces.Box(np.array([-1.0, 0.5, -2.0]), np.array([1.0, 0.5, 2.0]))
     with pytest.raises(ValueError, match=r"low < high .* dimensions \[1\] have low=\[0.5\]"):
         SAC(sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,)), fixed))
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("low,high,dtype", [
+    (-3.0, 7.0, np.float32),  # asymmetric
+    (-FLT_MAX, FLT_MAX, np.float32),  # high - low overflows float32
+    (-FLT_MAX, 0.0, np.float32),
+    (-1e30, 3e38, np.float64),  # float64 bounds within float32's range
+])
+def test_actions_round_trip_through_bounds_up_to_float32s_largest(low, high, dtype):
+    space = gym.spaces.Box(np.array([low], dtype), np.array([high], dtype), dtype=dtype)
+    agent = SAC(sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), space),
+                SACConfig(hidden_sizes=(8,)))
+    unit = np.array([[-1.0], [-0.5], [0.0], [0.5], [1.0]], np.float32)
+    action = np.asarray(agent.to_env(jnp.asarray(unit)))
+    assert action.dtype == np.float32 and np.isfinite(action).all()
+    expected = 0.5 * (low + high) + 0.5 * (high - low) * unit.astype(np.float64)
+    np.testing.assert_allclose(action, expected, rtol=1e-6, atol=1e-6 * (high - low))
+    assert np.float32(low) <= action.min() and action.max() <= np.float32(high)
+    np.testing.assert_allclose(agent.from_env(jnp.asarray(action)), unit, atol=1e-6)
+
+
+@pytest.mark.parametrize("low,high", [(-1e39, 1e39), (-1.0, 1e39), (-np.inf, 0.0)])
+def test_bounds_beyond_float32_are_refused_naming_the_space(low, high):
+    space = gym.spaces.Box(np.array([low]), np.array([high]), dtype=np.float64)
+    with pytest.raises(ValueError, match=r"must be finite in float32 \(\|bound\| <= 3.403e\+38\); "
+                                         r"got Box\(.*float64\)"):
+        SAC(sebulba.EnvSpec(gym.spaces.Box(-1.0, 1.0, (3,)), space))
 
 
 def test_sac_is_registered_for_the_launcher():
@@ -346,6 +377,29 @@ def test_the_replay_ratio_rounds_to_whole_gradient_steps_and_never_to_none(no_le
         with pytest.raises(ValueError, match=r"replay_ratio must be a finite number > 0 "
                                              r"\(gradient steps per env step\), got"):
             SACConfig(replay_ratio=bad)
+
+
+@pytest.mark.parametrize("field,bad,expected", [
+    ("tau", 0, r"in \(0, 1\] \(at 0 the critics' targets never move\)"),
+    ("tau", 1.5, r"in \(0, 1\]"),
+    ("initial_temperature", float("inf"), r"a finite number > 0 \(within float32's range\)"),
+    ("initial_temperature", 1e39, r"a finite number > 0"),
+    ("initial_temperature", 0.0, r"a finite number > 0"),
+    ("critic_learning_rate", float("inf"), r"a finite number > 0"),
+])
+def test_config_refuses_a_target_that_never_moves_and_an_infinite_temperature(
+        field, bad, expected):
+    with pytest.raises(ValueError, match=rf"{field} must be {expected}.*, got "
+                                         rf"{re.escape(repr(bad))}$"):
+        SACConfig(**{field: bad})
+
+
+def test_a_tiny_initial_temperature_is_a_finite_log_alpha():
+    # 1e-50 is 0 in float32: its log, taken there, would be -inf.
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(hidden_sizes=(8,),
+                                                           initial_temperature=1e-50, tau=1))
+    log_alpha = float(agent.new_networks(jax.random.key(0)).log_alpha)
+    assert log_alpha == pytest.approx(math.log(1e-50), rel=1e-6)
 
 
 def test_learner_devices_sample_with_their_own_keys():

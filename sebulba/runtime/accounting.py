@@ -224,6 +224,9 @@ class RunResult:
         `Config.eval_max_share` (their networks' episodes outlasted the estimate).
       evaluation_videos_cut: evaluations kept without the video due with them
         (`Config.eval_video_every`), whose recording ran past `Config.eval_max_share`.
+      evaluations_passed_over: evaluations due (every `Config.eval_every_updates`) and
+        not taken, while none was under way: the next one's estimated env steps would
+        have passed `Config.eval_max_share`, or no training episode had ended yet.
       episodes_total: the run's completed episodes, all counted.
       lag_count, lag_sum, lag_max: trajectories consumed over the whole run, and the sum
         and maximum of their policy lags (`policy_lags` keeps only the most recent).
@@ -259,6 +262,7 @@ class RunResult:
     evaluator_env_steps: int = 0
     evaluations_abandoned: int = 0
     evaluation_videos_cut: int = 0
+    evaluations_passed_over: int = 0
 
     @property
     def team_steps(self) -> int:
@@ -331,9 +335,11 @@ class RunResult:
                 "evaluator_env_steps": self.evaluator_env_steps,
                 "evaluations_abandoned": self.evaluations_abandoned,
                 "evaluation_videos_cut": self.evaluation_videos_cut,
+                "evaluations_passed_over": self.evaluations_passed_over,
                 "last_evaluation": self.evaluations[-1].scalars() if self.evaluations
                 else None}
-               if self.evaluations or self.evaluator_env_steps else {}),
+               if self.evaluations or self.evaluator_env_steps
+               or self.evaluations_passed_over else {}),
         }
 
     def bottleneck(self) -> Bottleneck:
@@ -371,6 +377,12 @@ class RunResult:
         if self.evaluations_abandoned:
             line += (f", {self.evaluations_abandoned} more abandoned for running past "
                      "eval_max_share")
+        if not self.evaluations and self.evaluations_passed_over:
+            line += (f"; {self.evaluations_passed_over} were due and passed over: the next "
+                     "one's estimated env steps (eval_episodes envs x the longest training "
+                     "episode) would have passed eval_max_share, or no training episode "
+                     "had ended (a longer run, a larger eval_max_share or fewer "
+                     "eval_episodes)")
         if self.evaluation_videos_cut:
             line += (f", {self.evaluation_videos_cut} kept without the video due then (the "
                      "recording ran past eval_max_share)")

@@ -10,7 +10,10 @@ episode, would pass `eval_max_share` of the training's (this process's: only pro
 evaluates, and the others wait for it at the learner's collectives), so evaluation costs
 its own work and never a wait. An evaluation that runs past that share (a policy whose
 episodes outlast the estimate, or never end) is abandoned, not reported, and the next
-one waits for twice the env steps it had taken. The thread runs `eval_episodes` complete
+one waits for twice the env steps it had taken. A resumed run counts the share from its
+own start, plus one evaluation's worth where the training before it allows that much: a
+run preempted and resumed every few hundred thousand steps still evaluates. The thread
+runs `eval_episodes` complete
 episodes (`sebulba.evaluation.EpisodeRunner`) per evaluation, on envs of its own made
 like the run's, and every `eval_video_every`-th evaluation records one more episode to
 `eval_video_dir`. An error in it stops the run like any thread's.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -35,9 +39,14 @@ from sebulba.evaluation import EpisodeRunner, EvaluationResult, VideoRecorder, s
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox
 from sebulba.types import Nets
 
+# How long `close` waits, beyond its timeout, for a video being written when the run
+# ends (encoding cannot be interrupted, and the last evaluation's video is worth a wait).
+VIDEO_WRITE_TIMEOUT_S = 120.0
+
 # Evaluation envs are seeded from the run's seed plus this (then each evaluation's own
 # seeds): apart from the training envs' first seeds (`Sebulba._env_seed`), which move on
-# with each resume.
+# with each resume, until a resume's draw passes a million of them (then a training env
+# may start from an evaluation's seed: the same first episode, no more).
 EVAL_SEED = 1_000_003
 
 
@@ -84,12 +93,17 @@ class Evaluator:
 
     `start()` starts the thread; `close()` ends it (an evaluation under way is
     abandoned) and closes its envs. `take()` returns the evaluations finished since the
-    last call; `abandoned` counts those given up for running past the share.
+    last call; `abandoned` counts those given up for running past the share,
+    `passed_over` the due offers not taken (over the share, or before any training
+    episode had ended). `steps_before`: this process's training env steps before this
+    run (a resumed run's).
     """
 
     def __init__(self, agent: Agent, config: Config, device: jax.Device, errors: ErrorBox,
-                 halt: threading.Event):
+                 halt: threading.Event, steps_before: int = 0):
         self.config, self.device = config, device
+        self._steps_before = steps_before
+        self._credit: float | None = None  # set at the first estimate (`offer`)
         self._errors, self._halt = errors, halt
         kind = config.vectorization
         vectorization = registry.get(kind).evaluate_as
@@ -120,7 +134,9 @@ class Evaluator:
         self._abandon = threading.Event()  # set by `offer`: the evaluation under way is over
         self._stop = _AnyOf(halt, self._abandon)
         self.abandoned = 0
+        self.passed_over = 0
         self.videos_cut = 0  # videos stopped by the share, their evaluations kept
+        self.writing_video = False  # in `save_video`, which cannot be interrupted
         self.thread = threading.Thread(target=self._main, name="sebulba-evaluator", daemon=True)
 
     @property
@@ -147,9 +163,10 @@ class Evaluator:
         its envs (rows; with the video env's where it records an episode) times
         `longest_episode`, the longest training episode so far: an evaluation steps every
         env until its longest episode ends. Before any training episode has ended there
-        is no estimate, and nothing is taken."""
+        is no estimate, and nothing is taken. A resumed run may take one evaluation's
+        worth more than its own share, as far as the training before it allows."""
         cfg = self.config
-        self._allowed = cfg.eval_max_share * own_env_steps
+        self._allowed = cfg.eval_max_share * own_env_steps + (self._credit or 0.0)
         if self._busy:
             if self.env_steps > self._allowed:
                 self._abandon.set()
@@ -160,7 +177,11 @@ class Evaluator:
         if self._video is not None and self._evaluations % cfg.eval_video_every == 0:
             rows += self._video.runner.source.num_envs  # the episode recorded after it
         estimate = max(self._last_steps, rows * longest_episode)
+        if self._credit is None and estimate:
+            self._credit = min(cfg.eval_max_share * self._steps_before, estimate)
+            self._allowed += self._credit
         if not estimate or self.env_steps + estimate > self._allowed:
+            self.passed_over += 1
             return False
         self._busy, self._last_taken = True, learner_update  # busy until evaluated
         self._offered.append((learner_update, env_steps,
@@ -176,10 +197,13 @@ class Evaluator:
 
     def close(self, timeout_s: float) -> bool:
         """Ends the thread (it polls the run's halt event) and closes the envs; whether
-        the thread ended within `timeout_s`."""
+        the thread ended within `timeout_s` (or, writing a video, within
+        `VIDEO_WRITE_TIMEOUT_S` more)."""
         self._halt.set()
         if self.thread.ident is not None:
             self.thread.join(timeout_s)
+            if self.thread.is_alive() and self.writing_video:
+                self.thread.join(VIDEO_WRITE_TIMEOUT_S)
         ended = not self.thread.is_alive()
         if ended:  # a thread stuck in an env step keeps its envs (closing could block)
             self._close_envs()
@@ -217,8 +241,12 @@ class Evaluator:
                                           max_env_steps=sys.maxsize)
             if recorded is not None:  # else the episodes stand, without their video
                 frames = recorded[0]
-                video = save_video(frames, cfg.eval_video_dir,
-                                   f"update_{learner_update:08d}", self._video.fps)
+                self.writing_video = True
+                try:
+                    video = save_video(frames, cfg.eval_video_dir,
+                                       f"update_{learner_update:08d}", self._video.fps)
+                finally:
+                    self.writing_video = False
             elif not self._halt.is_set():  # the share ran out during the video: say so
                 self.videos_cut += 1
         self._evaluations += 1
@@ -234,9 +262,15 @@ class Evaluator:
         self._last_steps = max(self._last_steps, 2 * (self.env_steps - start_steps))
 
     def _close_envs(self) -> None:
-        close_all(self._sources)
-        if self._video is not None:
-            self._video.close()
+        """Closes every env of the evaluator; an error in a close is logged, not raised:
+        the run has ended (or is ending with an error of its own, which it would hide)."""
+        for close in [lambda: close_all(self._sources),
+                      *([self._video.close] if self._video is not None else [])]:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - see the docstring
+                logging.getLogger(__name__).warning("closing the evaluator's envs failed",
+                                                    exc_info=True)
 
 
 class _AnyOf:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -258,9 +258,10 @@ class Sebulba:
                                   progress_timeout_s)
         try:
             if self.config.eval_every_updates and self.process_index == 0:
-                run.evaluator = Evaluator(self.agent, self.config,
-                                          self.config.resolved_eval_device(), run.errors,
-                                          run.halt)
+                run.evaluator = Evaluator(
+                    self.agent, self.config, self.config.resolved_eval_device(), run.errors,
+                    run.halt, steps_before=learner_updates * self.env_steps_per_update
+                    // self.num_processes)
                 run.evaluator.start()
             self._start_inferencers(run, state.step_state, learner_updates,
                                     progress_timeout_s)
@@ -447,7 +448,8 @@ class Sebulba:
                                       stalled=run.stall is not None and run.stall.fired)
         if run.evaluator is not None:
             if not run.evaluator.close(self.config.shutdown_timeout_s):
-                still_alive.append(run.evaluator.thread.name)
+                still_alive.append(run.evaluator.thread.name + (
+                    " (writing a video)" if run.evaluator.writing_video else ""))
             # These keep their frames: no on_update carries them, and `Reporter.finish`
             # writes their videos from the result (and drops the frames). At most one
             # evaluation runs after the last update's offer, so this is one video at most.
@@ -502,6 +504,7 @@ class Sebulba:
             evaluator_env_steps=run.evaluator.env_steps if run.evaluator else 0,
             evaluations_abandoned=run.evaluator.abandoned if run.evaluator else 0,
             evaluation_videos_cut=run.evaluator.videos_cut if run.evaluator else 0,
+            evaluations_passed_over=run.evaluator.passed_over if run.evaluator else 0,
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:
@@ -641,9 +644,12 @@ def _update_cutter(stop: threading.Event | None, num_processes: int
 
 
 def _close_quietly(source: EnvSource) -> None:
-    """A broken env must not keep the others from closing."""
-    with contextlib.suppress(Exception):
+    """A broken env must not keep the others from closing, nor fail a run that ended (or
+    hide the error it ended with): its error is logged."""
+    try:
         source.close()
+    except Exception:  # noqa: BLE001 - see the docstring
+        logging.getLogger(__name__).warning("closing an env source failed", exc_info=True)
 
 
 def _concat_env_axis(trees: list[PyTree], device: jax.Device) -> PyTree:
