@@ -132,6 +132,10 @@ class PPOBatch(NamedTuple):
     behaviour_log_prob: jax.Array  # [N, H] log pi_behaviour(action | obs), from the actor
     advantage: jax.Array  # [N, H] GAE(lambda), not normalized
     value: jax.Array  # [N, H] values when the advantages were computed; targets = adv + value
+    # [N, H] what training's unroll gives before the update's first optimizer step: the
+    # value clip's centre (`value` but for a recurrent core cut into segments, each of
+    # which training unrolls from the actor's state, not from the whole unroll's)
+    old_value: jax.Array
     mask: jax.Array  # [N, H] float, 0 where the env ignored the action
     core: networks.CoreState  # leaves [N, ...]; () for a feed-forward core
 
@@ -249,12 +253,16 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
             behaviour_log_prob=cut(outputs.extras["log_prob"]),
             advantage=cut(advantages),
             value=cut(values[:, :-1]),
+            old_value=cut(values[:, :-1]),
             mask=cut(jax.vmap(action_mask)(steps.terminated, steps.truncated)),
             core=segments.segment_starts(cores, horizon),
         )
         if self.central_agents > 1:  # whole envs per minibatch, their agents adjacent
             batch = jax.tree.map(
                 lambda x: segments.group_by_env(x, self.central_agents, num_envs), batch)
+        if jax.tree.leaves(batch.core) and horizon < num_steps:  # as `loss` unrolls them
+            _, out = self.network.apply(nets, batch.core, batch.obs, batch.first)
+            batch = batch._replace(old_value=out.value)
         key, plan_key = jax.random.split(key)
         beta = segments.annealed_beta(cfg.prio_beta0, updates, cfg.prio_beta_anneal_updates)
         plan = segments.plan_minibatches(plan_key, batch.advantage, cfg.num_epochs,
@@ -293,7 +301,8 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         target = b.advantage + b.value  # the lambda-return
         value_error = (value - target) ** 2
         if cfg.clip_value_loss:
-            clipped = b.value + jnp.clip(value - b.value, -cfg.clip_epsilon, cfg.clip_epsilon)
+            clipped = b.old_value + jnp.clip(value - b.old_value, -cfg.clip_epsilon,
+                                             cfg.clip_epsilon)
             value_error = jnp.maximum(value_error, (clipped - target) ** 2)
         value_loss = 0.5 * masked_mean(value_error)
 

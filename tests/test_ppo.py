@@ -157,6 +157,28 @@ def test_lstm_training_unrolls_each_segment_from_the_actors_state():
 
 
 @pytest.mark.timeout(120)
+def test_the_value_clip_is_centred_on_what_the_first_optimizer_step_sees():
+    """Before any optimizer step nothing has moved, so the clipped value loss is the plain
+    one, also for an LSTM cut into segments that the actor acted on with older networks
+    (each segment unrolls from the actor's state, not from the whole unroll's)."""
+    losses = {}
+    for clip in (True, False):
+        agent = PPO(SPEC, PPOConfig(use_lstm=True, lstm_size=16, hidden_sizes=(16,),
+                                    bptt_horizon=3, num_minibatches=2, clip_epsilon=1e-6,
+                                    clip_value_loss=clip))
+        nets = agent.new_networks(jax.random.key(0))
+        older = agent.new_networks(jax.random.key(5))  # the networks the actor acted with
+        e, t = 4, 6
+        state = agent.new_step_state(older, jax.random.key(1), e)
+        obs = jax.random.normal(jax.random.key(3), (e, t + 1, 4))
+        trajectory = act(agent, older, state, obs, jnp.zeros((e, t + 1), bool))
+        experience = prepared(agent, trajectory, nets, e, t)
+        _, (_, metrics) = jax.jit(agent.loss)(nets, (), experience)
+        losses[clip] = float(metrics["value_loss"])
+    assert losses[True] > 0
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+@pytest.mark.timeout(120)
 def test_importance_weights_multiply_the_policy_loss():
     agent = PPO(SPEC, PPOConfig(prio_alpha=0.8, prio_beta0=0.5, bptt_horizon=4,
                                 num_minibatches=2))
