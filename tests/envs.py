@@ -235,3 +235,37 @@ class BadOutputEnv(CountingEnv):
         self.steps += 1
         result = super().step(action)
         return self.BAD[self.kind](*result[:4]) if self._bad_now() else result
+
+
+class ClosesIntoAFileEnv(CountingEnv):
+    """Writes `path` when closed (in an async worker: proof that its own close ran)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def close(self):
+        with open(self.path, "w") as f:
+            f.write(str(os.getpid()))
+        super().close()
+
+
+class RaisesThenDiesInCloseEnv(CountingEnv):
+    """Its step raises; its close then ends the process at once (as a simulator's crash
+    in its own close would), before any thread of it can finish its work."""
+
+    def step(self, action):
+        raise EnvStepError("the simulator diverged")
+
+    def close(self):
+        if multiprocessing.parent_process() is not None:  # in a worker, not the parent's
+            os._exit(3)  # probe of the spaces
+        super().close()
+
+
+class StuckStepEnv(CountingEnv):
+    """Its steps never return."""
+
+    def step(self, action):
+        while True:
+            time.sleep(1.0)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
+import pathlib
 import re
 import signal
 import threading
@@ -18,10 +20,12 @@ from sebulba.envs import async_workers
 from sebulba.envs.async_workers import AsyncVectorEnv, RemoteTraceback, env_worker
 from sebulba.envs.gymnasium_source import VectorEnvSource, close_vector_env, make_vector_env
 from tests.envs import (
+    ClosesIntoAFileEnv,
     CountingEnv,
     EnvStepError,
     IgnoresSigtermEnv,
     MadeOnlyInTheParentEnv,
+    RaisesThenDiesInCloseEnv,
     RaisingEnv,
     RandomObservationEnv,
     SpaceByProcessEnv,
@@ -213,3 +217,84 @@ def test_workers_leave_ctrl_c_and_sigterm_to_the_parent(signum, no_leftovers):
         assert all(p.is_alive() for p in vec.processes)
     finally:
         close_vector_env(vec)
+
+
+@pytest.mark.timeout(60)
+def test_closing_an_async_env_runs_each_envs_own_close(tmp_path, no_leftovers):
+    """An env may own processes or files of its own (a simulator's server, a log): a
+    close that only killed the workers left them behind."""
+    paths = [str(tmp_path / f"closed_{i}") for i in range(2)]
+    vec = AsyncVectorEnv([functools.partial(ClosesIntoAFileEnv, p) for p in paths],
+                         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+                         context="spawn", worker=env_worker)
+    vec.reset(seed=0)
+    pids = sorted(p.pid for p in vec.processes)
+    close_vector_env(vec)
+    assert sorted(int(pathlib.Path(p).read_text()) for p in paths) == pids
+
+
+@pytest.mark.timeout(60)
+def test_a_workers_error_reaches_the_parent_though_its_env_then_kills_it_in_close(
+        no_leftovers):
+    vec = make_vector_env(RaisesThenDiesInCloseEnv, 1, "async")
+    try:
+        vec.reset(seed=0)
+        start = time.monotonic()
+        with pytest.raises(Exception, match="the simulator diverged"):
+            vec.step(np.zeros(1, np.int64))
+        assert time.monotonic() - start < async_workers.ERROR_REPORT_TIMEOUT_S / 2
+    finally:
+        close_vector_env(vec)
+
+
+_ORPHAN_SCRIPT = """
+import functools, sys, time
+import numpy as np
+from sebulba.envs.gymnasium_source import make_vector_env
+from tests.envs import StuckStepEnv
+if __name__ == "__main__":
+    vec = make_vector_env(StuckStepEnv, 2, "async")
+    vec.reset(seed=0)
+    vec.step_async(np.zeros(2, np.int64))  # the workers are stuck in their steps
+    print(*[p.pid for p in vec.processes], flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_end_when_their_parent_is_killed(tmp_path):
+    """A parent killed (SIGKILL, out of memory) closes nothing, and a worker stuck in its
+    env never reads its pipe again: each watches for its parent instead."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphans.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10 * async_workers._PARENT_POLL_S
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in pids if _alive(pid)]
+        assert alive == []
+    finally:
+        parent.kill()
+        for pid in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not reaped by init yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False

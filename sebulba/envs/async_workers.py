@@ -17,6 +17,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -159,10 +160,16 @@ class RemoteTraceback(Exception):
 
 
 # How long the parent waits for the error report of a worker that replied "failed": the
-# worker puts it on the error queue before it replies, so it is there or on its way.
+# worker flushes it to the error queue's pipe before it replies.
 ERROR_REPORT_TIMEOUT_S = 10.0
-# How long closing waits for killed workers to be reaped.
+# How long closing waits for the workers to close their envs, and then for killed ones
+# to be reaped.
 CLOSE_TIMEOUT_S = 5.0
+# A report stays under a pipe's buffer (64 KiB on Linux): the worker's flush waits for
+# the parent to read only beyond it, and the parent reads only after the reply.
+_MAX_REPORT_BYTES = 32_768
+# How often a worker looks whether its parent is still there.
+_PARENT_POLL_S = 1.0
 
 
 class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
@@ -174,7 +181,9 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
       pipe error), and no worker outlives a failed start, whatever the error;
     - `close(terminate=True)` kills the workers (they ignore SIGTERM and SIGINT: the
       parent decides when they end), where gymnasium's SIGTERM would leave a worker
-      that ignores it, and its join wait for it forever.
+      that ignores it, and its join wait for it forever; `close()` first asks each
+      worker to close its env (which may own processes of its own: a simulator's
+      server) and kills those that have not ended within `CLOSE_TIMEOUT_S`.
     """
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **kwargs: Any):
@@ -225,9 +234,29 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
 
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
         if not terminate:
-            super().close_extras(timeout, terminate)
-            return
+            self._ask_workers_to_close()
         self._stop_workers()
+
+    def _ask_workers_to_close(self) -> None:
+        """Asks each idle worker to close its env and end, waiting for them up to
+        `CLOSE_TIMEOUT_S` in all (gymnasium's close waits without a bound); a worker in
+        the middle of a command is left to `_stop_workers`."""
+        if getattr(self, "_state", None) != gym.vector.async_vector_env.AsyncState.DEFAULT:
+            return
+        asked = []
+        for pipe in getattr(self, "parent_pipes", []):
+            if pipe is not None:
+                with contextlib.suppress(*PIPE_ERRORS):
+                    pipe.send(("close", None))
+                    asked.append(pipe)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for pipe in asked:
+            with contextlib.suppress(*PIPE_ERRORS, EOFError):
+                if pipe.poll(max(0.0, deadline - time.monotonic())):
+                    pipe.recv()
+        for process in getattr(self, "processes", []):
+            if process.pid is not None:
+                process.join(max(0.0, deadline - time.monotonic()))
 
     def _stop_workers(self) -> None:
         """Kills every worker (nothing under way is waited for), closes the pipes and
@@ -305,6 +334,7 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
     # ends the worker at its next command.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with_parent()
     parent_pipe.close()
     env = None
     try:
@@ -341,6 +371,10 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
     except (KeyboardInterrupt, Exception):  # the reply to the command under way (or the
         error_type, error, _ = sys.exc_info()  # first one, for an env that cannot be made)
         error_queue.put(_error_report(index, error_type, error, traceback.format_exc()))
+        # In the queue's pipe before the reply: a close that then kills the process (a
+        # simulator's segfault) must not take the report with it.
+        error_queue.close()
+        error_queue.join_thread()
         if env is None:  # not made: reply to the parent's first command, not before it
             with contextlib.suppress(*PIPE_ERRORS):
                 pipe.recv()
@@ -356,14 +390,37 @@ def _error_report(index: int, error_type: type, error: BaseException,
     background thread that only prints a failure, and the parent would wait forever for
     the lost report: an error that does not survive pickling is sent as a RuntimeError
     naming it instead."""
+    if len(trace) > _MAX_REPORT_BYTES // 2:  # a deep recursion's: its two ends
+        half = _MAX_REPORT_BYTES // 4
+        trace = f"{trace[:half]}\n[...]\n{trace[-half:]}"
     report = (index, error_type, error, trace)
     try:
+        if len(pickle.dumps(report)) > _MAX_REPORT_BYTES:
+            raise ValueError("the report is too large")
         pickle.loads(pickle.dumps(report))
         return report
     except Exception as e:  # noqa: BLE001 - any pickling failure
-        message = (f"{error_type.__name__}: {error} (the env's error could not be sent "
-                   f"from its worker as it is: {type(e).__name__}: {e})")
+        message = (f"{error_type.__name__}: {str(error)[:1000]} (the env's error could not "
+                   f"be sent from its worker as it is: {type(e).__name__}: {e})")
         return index, RuntimeError, RuntimeError(message), trace
+
+
+def _end_with_parent() -> None:
+    """Ends this worker process once its parent is gone: a parent killed (SIGKILL, out of
+    memory) never closes it, and a worker stuck in its env would not read the closed
+    pipe. A thread, not PR_SET_PDEATHSIG, which fires when the thread that started the
+    worker ends, not its process."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    pid = parent.pid
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sebulba-parent-watch", daemon=True).start()
 
 
 def _answer(env: gym.Env, command: str, data: Any) -> Any:

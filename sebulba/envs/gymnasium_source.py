@@ -304,8 +304,12 @@ def _single_env_factories(env: str | EnvFactory, num_envs: int,
 
 
 def close_vector_env(vec: gym.vector.VectorEnv) -> None:
-    """Closes a vector env; subprocess workers are terminated, not waited for."""
-    if isinstance(vec, gym.vector.AsyncVectorEnv):
+    """Closes a vector env. Subprocess workers (sebulba's `AsyncVectorEnv`) are asked to
+    close their envs and killed if they have not within `CLOSE_TIMEOUT_S`; those of
+    another AsyncVectorEnv are terminated, not waited for."""
+    if isinstance(vec, AsyncVectorEnv):
+        vec.close()
+    elif isinstance(vec, gym.vector.AsyncVectorEnv):
         vec.close(terminate=True)
     else:
         vec.close()
