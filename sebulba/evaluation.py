@@ -13,7 +13,7 @@ import numpy as np
 
 from sebulba.agent import Agent
 from sebulba.envs import registry
-from sebulba.envs.base import EnvSource, close_all
+from sebulba.envs.base import EnvSource, close_all, close_quietly
 from sebulba.envs.gymnasium_source import EnvFactory
 from sebulba.envs.output_checks import env_name
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
@@ -197,8 +197,8 @@ def evaluate(
         source = _one_group(sources, vectorization, num_envs)
         runner = EpisodeRunner(agent, source, greedy=greedy)
         result = runner.run(nets, num_episodes, seed, max_env_steps=max_env_steps)
-    finally:
-        close_all(sources)
+    finally:  # an error in a close must not take the place of the evaluation's
+        close_quietly(sources)
     assert result is not None  # no stop event
     return result
 
@@ -283,7 +283,7 @@ class VideoRecorder:
             self.runner = EpisodeRunner(agent, source, greedy=greedy, name="a video")
             self.fps = _render_fps(source)
         except BaseException:
-            close_all(self._sources)
+            close_quietly(self._sources)
             raise
 
     def record(self, acting_nets: Nets, seed: int, *, stop: StopFlag | None = None,

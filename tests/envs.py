@@ -213,6 +213,8 @@ class BadOutputEnv(CountingEnv):
         "nan_observation": lambda obs, r, term, trunc: (
             np.array([obs[0], np.nan, obs[2]], np.float32), r, term, trunc, {}),
         "inf_reward": lambda obs, r, term, trunc: (obs, float("-inf"), term, trunc, {}),
+        "complex_observation": lambda obs, r, term, trunc: (
+            obs.astype(np.complex64), r, term, trunc, {}),
         "observation_alone": None,  # reset returns the observation without its info
     }
 
@@ -269,3 +271,23 @@ class StuckStepEnv(CountingEnv):
     def step(self, action):
         while True:
             time.sleep(1.0)
+
+
+class FloatFramesEnv(gym.Env):
+    """Observations in [0, 1) as float64 for a uint8 Box (an env that forgot to scale its
+    frames back); with `size_one`, one value for a space of 4."""
+
+    observation_space = gym.spaces.Box(0, 255, (4,), np.uint8)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, size_one: bool = False):
+        self.size_one = size_one
+
+    def _obs(self):
+        return np.full(1 if self.size_one else 4, 0.5)
+
+    def reset(self, *, seed=None, options=None):
+        return self._obs(), {}
+
+    def step(self, action):
+        return self._obs(), 0.0, False, False, {}

@@ -16,7 +16,7 @@ from agents.spg import SPG, SPGConfig
 from sebulba.envs import registry
 from sebulba.envs.output_checks import BadEnvOutput, BatchCheck, CheckedEnv
 from sebulba.types import EnvStep
-from tests.envs import BadOutputEnv
+from tests.envs import BadOutputEnv, FloatFramesEnv
 
 # What each kind of bad output is called, after "env made by BadOutputEnv (env 2 of the 4
 # in its group), step 3: ".
@@ -29,6 +29,8 @@ NAMED = {
     "wrong_shape": ("observation", "has shape (2,), expected (3,) (the observation space's)"),
     "nan_observation": ("observation", "holds nan at index [1]; expected finite values"),
     "inf_reward": ("reward", "is -inf; expected a finite number"),
+    "complex_observation": ("observation", "has dtype complex64, which the observation "
+                            "space's float32 cannot hold without changing values"),
     "observation_alone": ("reset's result", "is array([2., 0., 0.], dtype=float32) "
                           "(ndarray); expected gymnasium's pair (observation, info dict)"),
 }
@@ -70,13 +72,42 @@ def test_each_bad_output_of_a_sync_env_is_named_where_it_enters(kind):
     assert e.value.place == "env 2 of the 4 in its group"
 
 
-@pytest.mark.parametrize("kind", ["four_values", "wrong_shape"])
+@pytest.mark.parametrize("kind", ["four_values", "wrong_shape", "complex_observation"])
 @pytest.mark.timeout(120)
 def test_async_workers_check_their_env_and_the_error_reaches_the_parent(kind, no_leftovers):
     made = source("async", functools.partial(BadOutputEnv, kind, 3, bad_env=2))
     with pytest.raises(BadEnvOutput, match="^" + re.escape(expected_message(kind, 3))) as e:
         step_until_error(made)
     assert (e.value.step, e.value.field) == (3, NAMED[kind][0])  # attributes survive pickling
+
+
+@pytest.mark.parametrize("vectorization", ["sync", "async"])
+@pytest.mark.timeout(120)
+def test_floats_for_uint8_frames_are_an_error_checked_or_not_never_zeros(vectorization,
+                                                                          no_leftovers):
+    """Floats in [0, 1) for a uint8 space: a write that cast them would give zeros."""
+    made = source(vectorization, FloatFramesEnv, num_envs=2)
+    with pytest.raises(BadEnvOutput, match=re.escape(
+            "env 0 of the 2 in its group), step 0: observation has dtype float64, which the "
+            "observation space's uint8 cannot hold")):
+        step_until_error(made)
+    # Unchecked, as gymnasium's sync vector env refuses them, so does an async worker (it
+    # wrote zeros), and a single value is no longer broadcast over the space's four.
+    for env, error in [(FloatFramesEnv, "Cannot cast"),
+                       (functools.partial(FloatFramesEnv, size_one=True),
+                        "has 1 values|wrong shape")]:
+        with pytest.raises((TypeError, ValueError), match=error):
+            step_until_error(source(vectorization, env, num_envs=2, check=False))
+
+
+def test_float64_observations_of_a_float32_space_pass_the_checks():
+    env = gym.make("Pendulum-v1")  # a float32 Box
+    float64 = gym.wrappers.TransformObservation(env, lambda o: o.astype(np.float64),
+                                                env.observation_space)
+    checked = CheckedEnv(float64, "'Pendulum-v1'", 0, 1)
+    assert checked.reset(seed=0)[0].dtype == np.float64
+    for _ in range(3):
+        assert checked.step(np.zeros(1, np.float32))[0].dtype == np.float64
 
 
 def test_the_reset_after_an_episode_counts_as_a_step():
@@ -176,6 +207,8 @@ def test_envs_addressed_by_id_are_counted_one_by_one(monkeypatch):
     ("nan_observation", "agent 'agent_1' of env 1 of the 2 in its group, row 4), step 2: "
                         "observation holds nan at index [0]"),
     ("four_values", "env 1 of the 2 in its group), step 2: step's result is 4 values"),
+    ("complex_observation", "agent 'agent_1' of env 1 of the 2 in its group, row 4), step "
+                            "2: observation has dtype complex64"),
 ])
 def test_pettingzoo_names_the_agent_and_its_env(kind, named):
     pytest.importorskip("pettingzoo", reason="multi-agent envs need the 'multiagent' extra")
@@ -196,6 +229,8 @@ def test_pettingzoo_names_the_agent_and_its_env(kind, named):
                     return obs, rewards, terms, infos
                 if kind == "reward_none":
                     rewards["agent_1"] = None
+                elif kind == "complex_observation":
+                    obs["agent_1"] = obs["agent_1"].astype(np.complex64)
                 else:
                     obs["agent_1"] = np.full_like(obs["agent_1"], np.nan)
             return obs, rewards, terms, truncs, infos

@@ -216,3 +216,24 @@ def test_a_source_that_fails_to_wrap_its_vector_env_leaves_no_worker(monkeypatch
         registry.get("async").make_sources(request)
     # while the traceback, which holds the vector env, is still alive
     assert raised.traceback and multiprocessing.active_children() == []
+
+
+class CloseFailsSignSource(SignSource):
+    def close(self) -> None:
+        raise OSError("this source's close failed too")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_construction_raises_its_own_error_though_a_close_fails(sign_kind, caplog):
+    """Two sources for a device that asked for one group: the loop's error names that,
+    and the sources it closes on the way, whose close fails, do not replace it."""
+    registry.register(dataclasses.replace(SIGN, make_sources=lambda r: [
+        CloseFailsSignSource(1, r.group_size, r.seed),
+        CloseFailsSignSource(1, r.group_size, r.seed)]), replace=True)
+    config = sebulba.Config(env="sign", vectorization="test_sign", envs_per_group=4,
+                            async_factor=1, steps_per_cycle=4)
+    loop = sebulba.Sebulba(SPG(config.env_spec(), SPGConfig(hidden_sizes=(8,))), config)
+    with pytest.raises(ValueError, match="made sources of 2 groups for device"):
+        loop.run(64)
+    closes = [r for r in caplog.records if r.getMessage() == "closing an env failed"]
+    assert [str(r.exc_info[1]) for r in closes] == ["this source's close failed too"] * 2

@@ -225,6 +225,9 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
         if not reports:
             raise RuntimeError(f"async env workers {failed} of {self.num_envs} failed and "
                                f"sent no error report within {ERROR_REPORT_TIMEOUT_S}s")
+        # The lowest worker's, whichever came first: the same error for the same failure.
+        reports.sort(key=lambda r: (not isinstance(r[0], int), r[0] if isinstance(r[0], int)
+                                    else 0))
         index, error_type, error, trace = reports[0]
         if not isinstance(error, BaseException):
             error = error_type(error)
@@ -300,7 +303,13 @@ def _observation_writer(space: gym.Space, index: int,
     row = flat[index * size:(index + 1) * size]
 
     def write(obs: Any) -> None:
-        row[...] = np.ravel(obs)
+        # As strict as gymnasium's "sync" vector env: no broadcast of a wrong size, no
+        # cast that changes values (floats into uint8 frames), even with the checks off.
+        obs = np.ravel(obs)
+        if obs.size != size:
+            raise ValueError(f"the env's observation has {obs.size} values, its observation "
+                             f"space {space} {size}")
+        np.copyto(row, obs, casting="same_kind")
     return write
 
 

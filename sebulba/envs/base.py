@@ -3,6 +3,7 @@ of one env step (spaces checked, actions to the env, episode bookkeeping)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -263,6 +264,17 @@ def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
         truncated=flags,
         first=flags,
     )
+
+
+def close_quietly(closeables: Sequence[Any], what: str = "an env") -> None:
+    """Closes each of `closeables`, logging an error in a close rather than raising it:
+    where an error is on its way to the caller (it must reach it as raised, not replaced
+    by a close's), or a run has ended (a close must not fail it)."""
+    for closeable in closeables:
+        try:
+            closeable.close()
+        except Exception:  # noqa: BLE001 - see the docstring
+            logging.getLogger(__name__).warning("closing %s failed", what, exc_info=True)
 
 
 def close_all(closeables: Sequence[Any]) -> None:

@@ -10,8 +10,9 @@ envs it is, its step and the field.
 Two kinds of check, each where it is cheapest:
 - `CheckedEnv` wraps each env of a "sync" or "async" vector env (in an async worker, the
   check runs in the worker): the step's and reset's form, the types of reward and flags
-  (before numpy converts them), a finite reward and the observation's shape, one env at
-  a time. The PettingZoo source checks its agents' fields with the same functions.
+  (before numpy converts them), a finite reward and the observation's shape and dtype
+  (`ObservationForm`), one env at a time. The PettingZoo source checks its agents'
+  fields with the same functions.
 - `BatchCheck` runs on the rows a source's `recv` returns: the observation batch's shape,
   finite float observations and (where no `CheckedEnv` did) rewards, with one reduction
   per array; only when one fails are the env and entry looked for.
@@ -91,15 +92,41 @@ def reset_problem(result: Any) -> str | None:
             "old gym API's reset returned the observation alone)")
 
 
-def observation_problem(obs: Any, shape: tuple[int, ...]) -> str | None:
-    """What is wrong with one env's observation for a space of `shape`, or None."""
+class ObservationForm:
+    """What an env's observations must be to enter the rows: of the observation space's
+    `shape`, and of a dtype numpy casts to the space's with same_kind casting (float64
+    into float32, not floats into uint8 frames), as gymnasium's "sync" vector env
+    requires; an async worker's or a PettingZoo row's write would cast any other
+    silently (floats in [0, 1) into uint8 zeros). `dtypes` keeps those seen to cast."""
+
+    def __init__(self, space: gym.Space):
+        self.shape = tuple(space.shape or ())
+        self.dtype = None if space.dtype is None else np.dtype(space.dtype)
+        self.dtypes = {self.dtype}
+
+    def dtype_ok(self, dtype: np.dtype) -> bool:
+        if dtype in self.dtypes:
+            return True
+        if self.dtype is not None and not np.can_cast(dtype, self.dtype, "same_kind"):
+            return False
+        self.dtypes.add(dtype)
+        return True
+
+
+def observation_problem(obs: Any, form: ObservationForm) -> str | None:
+    """What is wrong with one env's observation for a space of `form`, or None."""
     try:
         got = np.shape(obs)
     except ValueError:  # a ragged nesting of sequences
         got = None
-    if got == shape:
-        return None
-    return f"has shape {got}, expected {shape} (the observation space's): {_shown(obs)}"
+    if got != form.shape:
+        return (f"has shape {got}, expected {form.shape} (the observation space's): "
+                f"{_shown(obs)}")
+    dtype = obs.dtype if isinstance(obs, np.ndarray) else np.asarray(obs).dtype
+    if form.dtype is not None and dtype.kind != "O" and not form.dtype_ok(dtype):
+        return (f"has dtype {dtype}, which the observation space's {form.dtype} cannot "
+                f"hold without changing values (numpy's same_kind casting): {_shown(obs)}")
+    return None
 
 
 def reward_problem(reward: Any) -> str | None:
@@ -124,19 +151,21 @@ def flag_problem(flag: Any) -> str | None:
 
 
 def fields_ok(obs: Any, reward: Any, terminated: Any, truncated: Any,
-              shape: tuple[int, ...]) -> bool:
-    """Whether a step's fields have the common types and the observation `shape`, decided
-    without a numpy call. False is no verdict: ask the `*_problem` functions."""
+              form: ObservationForm) -> bool:
+    """Whether a step's fields have the common types and the observation `form`, decided
+    without a numpy call (but the first time a dtype is seen). False is no verdict: ask
+    the `*_problem` functions."""
     return (reward.__class__ in _REWARD_TYPES and terminated.__class__ in _FLAG_TYPES
             and truncated.__class__ in _FLAG_TYPES
-            and ((obs.__class__ is np.ndarray and obs.shape == shape)
-                 or (shape == () and obs.__class__ in _INT_TYPES)))
+            and ((obs.__class__ is np.ndarray and obs.shape == form.shape
+                  and form.dtype_ok(obs.dtype))
+                 or (form.shape == () and obs.__class__ in _INT_TYPES)))
 
 
 def first_field_problem(obs: Any, reward: Any, terminated: Any, truncated: Any,
-                        shape: tuple[int, ...]) -> tuple[str, str] | None:
+                        form: ObservationForm) -> tuple[str, str] | None:
     """(field, problem) of the first bad field of a step, or None."""
-    for field, problem in (("observation", observation_problem(obs, shape)),
+    for field, problem in (("observation", observation_problem(obs, form)),
                            ("reward", reward_problem(reward)),
                            ("terminated", flag_problem(terminated)),
                            ("truncated", flag_problem(truncated))):
@@ -159,7 +188,8 @@ class CheckedEnv(gym.Wrapper):
         super().__init__(env)
         self._name = name
         self._place = f"env {index} of the {num_envs} in its group"
-        self._shape = tuple(env.observation_space.shape or ())
+        self._form = ObservationForm(env.observation_space)
+        self._shape, self._dtypes = self._form.shape, self._form.dtypes
         self._step = -1  # the first reset's output is step 0
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -168,7 +198,7 @@ class CheckedEnv(gym.Wrapper):
         problem = reset_problem(result)
         if problem is not None:
             raise bad_output(self._name, self._place, self._step, "reset's result", problem)
-        problem = observation_problem(result[0], self._shape)
+        problem = observation_problem(result[0], self._form)
         if problem is not None:
             raise bad_output(self._name, self._place, self._step, "observation", problem)
         return result
@@ -187,10 +217,11 @@ class CheckedEnv(gym.Wrapper):
         # is 0. This runs at every env step, for "sync" in the inferencer thread.
         if not (reward.__class__ is float and terminated.__class__ is bool
                 and truncated.__class__ is bool and obs.__class__ is np.ndarray
-                and obs.shape == self._shape and reward - reward == 0) and not (
-                fields_ok(obs, reward, terminated, truncated, self._shape)
+                and obs.shape == self._shape and obs.dtype in self._dtypes
+                and reward - reward == 0) and not (
+                fields_ok(obs, reward, terminated, truncated, self._form)
                 and reward - reward == 0):
-            bad = first_field_problem(obs, reward, terminated, truncated, self._shape)
+            bad = first_field_problem(obs, reward, terminated, truncated, self._form)
             if bad is not None:
                 raise bad_output(self._name, self._place, self._step, *bad)
         return result

@@ -30,6 +30,7 @@ from sebulba.envs.base import action_to_env, check_spaces, close_all
 from sebulba.envs.output_checks import (
     BadEnvOutput,
     BatchCheck,
+    ObservationForm,
     bad_output,
     env_name,
     fields_ok,
@@ -174,6 +175,7 @@ class ParallelEnvSource:
             self._place,
         ) if check_output else None
         self._zero_obs = np.zeros(self._obs_shape, self._obs_dtype)  # a left agent's
+        self._obs_form = ObservationForm(space)
 
     def _place(self, row: int, agent: bool = True) -> str:
         """Row `row`'s agent (or, with `agent` False, its env), named for an error."""
@@ -218,8 +220,8 @@ class ParallelEnvSource:
         agent = self.agents[row % self.agents_per_env]
         fields = (env_obs.get(agent, self._zero_obs), env_reward.get(agent, 0.0),
                   env_term.get(agent, False), env_trunc.get(agent, False))
-        if not fields_ok(*fields, self._obs_shape):
-            bad = first_field_problem(*fields, self._obs_shape)
+        if not fields_ok(*fields, self._obs_form):
+            bad = first_field_problem(*fields, self._obs_form)
             if bad is not None:
                 self._raise_bad(row, *bad)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sebulba.envs import envpool_source, gymnasium_source, pettingzoo_source
-from sebulba.envs.base import EnvSource, close_all
+from sebulba.envs.base import EnvSource, close_quietly
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers
 from sebulba.types import EnvSpec
 
@@ -194,7 +194,7 @@ def _vector_sources(vectorization: str) -> SourceFactory:
                     unwrapped[0], request.check_env_output, request.env, envs_checked))
                 unwrapped = []
         except BaseException:
-            close_all(sources + unwrapped)
+            close_quietly(sources + unwrapped)
             raise
         return sources
 
@@ -221,7 +221,7 @@ def _pettingzoo_sources(request: SourceRequest) -> list[EnvSource]:
                 unwrapped, request.agent_ids, request.check_env_output, request.env))
             unwrapped = []
     except BaseException:
-        close_all(sources + list(unwrapped))
+        close_quietly(sources + list(unwrapped))
         raise
     return sources
 

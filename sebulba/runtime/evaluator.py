@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ import numpy as np
 from sebulba.agent import Agent
 from sebulba.config import Config
 from sebulba.envs import registry
-from sebulba.envs.base import close_all
+from sebulba.envs.base import close_quietly
 from sebulba.evaluation import EpisodeRunner, EvaluationResult, VideoRecorder, save_video
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox
 from sebulba.types import Nets
@@ -264,13 +263,8 @@ class Evaluator:
     def _close_envs(self) -> None:
         """Closes every env of the evaluator; an error in a close is logged, not raised:
         the run has ended (or is ending with an error of its own, which it would hide)."""
-        for close in [lambda: close_all(self._sources),
-                      *([self._video.close] if self._video is not None else [])]:
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - see the docstring
-                logging.getLogger(__name__).warning("closing the evaluator's envs failed",
-                                                    exc_info=True)
+        close_quietly([*self._sources, *([self._video] if self._video is not None else [])],
+                      "the evaluator's envs")
 
 
 class _AnyOf:
@@ -285,6 +279,6 @@ class _AnyOf:
 
 def _one(sources: list) -> object:
     if len(sources) != 1:
-        close_all(sources)
+        close_quietly(sources)
         raise ValueError(f"the evaluator drives one env source, its kind made {len(sources)}")
     return sources[0]

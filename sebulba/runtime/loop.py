@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import queue
 import threading
 import time
@@ -18,7 +17,7 @@ from sebulba.agent import Agent, Layout
 from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
-from sebulba.envs.base import EnvSource, close_all
+from sebulba.envs.base import EnvSource, close_quietly
 from sebulba.evaluation import check_greedy
 from sebulba.runtime import memory, sharding, transfers
 from sebulba.runtime.accounting import Accounting, RunResult
@@ -538,7 +537,7 @@ class Sebulba:
                         f"{group - d * cfg.async_factor} groups for device {device}, "
                         f"asked for {cfg.async_factor}")
         except BaseException:
-            close_all([source for _, _, source in sources])
+            close_quietly([source for _, _, source in sources])
             raise
         return sources
 
@@ -570,7 +569,7 @@ class Sebulba:
                     transfer_guard=cfg.transfer_guard,
                 ))
         except BaseException:
-            close_all([source for _, _, source in sources])
+            close_quietly([source for _, _, source in sources])
             raise
         return runners
 
@@ -646,10 +645,7 @@ def _update_cutter(stop: threading.Event | None, num_processes: int
 def _close_quietly(source: EnvSource) -> None:
     """A broken env must not keep the others from closing, nor fail a run that ended (or
     hide the error it ended with): its error is logged."""
-    try:
-        source.close()
-    except Exception:  # noqa: BLE001 - see the docstring
-        logging.getLogger(__name__).warning("closing an env source failed", exc_info=True)
+    close_quietly([source], "an env source")
 
 
 def _concat_env_axis(trees: list[PyTree], device: jax.Device) -> PyTree:
