@@ -291,3 +291,12 @@ class FloatFramesEnv(gym.Env):
 
     def step(self, action):
         return self._obs(), 0.0, False, False, {}
+
+
+class SlowToMakeEnv(CountingEnv):
+    """Takes a minute to make in an async worker (a simulator that does not start)."""
+
+    def __init__(self):
+        super().__init__()
+        if multiprocessing.parent_process() is not None:
+            time.sleep(60)

@@ -28,6 +28,7 @@ from tests.envs import (
     RaisesThenDiesInCloseEnv,
     RaisingEnv,
     RandomObservationEnv,
+    SlowToMakeEnv,
     SpaceByProcessEnv,
 )
 
@@ -298,3 +299,15 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_never_makes_its_env_is_an_error_not_a_hang(monkeypatch,
+                                                                  no_leftovers):
+    monkeypatch.setattr(async_workers, "MAKE_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=re.escape(
+            "async env workers [0, 1] of 2 did not make their env within 1s")):
+        make_vector_env(SlowToMakeEnv, 2, "async")
+    assert time.monotonic() - start < 20
+    assert multiprocessing.active_children() == []

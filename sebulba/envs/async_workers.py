@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -170,6 +171,10 @@ CLOSE_TIMEOUT_S = 5.0
 _MAX_REPORT_BYTES = 32_768
 # How often a worker looks whether its parent is still there.
 _PARENT_POLL_S = 1.0
+# How long the parent waits for its workers to make their envs: a simulator may take
+# minutes to start, one that never does must not hang the run's start (nothing else
+# watches it then: the progress watchdog starts with the inferencer threads).
+MAKE_TIMEOUT_S = 600.0
 
 
 class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
@@ -199,6 +204,39 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             if error is None:
                 raise
             raise error from e
+
+    def _check_spaces(self) -> None:
+        """gymnasium's check that every worker's env has the vector env's spaces (its
+        first command, answered once the env is made), waiting at most MAKE_TIMEOUT_S
+        for the answers: gymnasium waits without a bound."""
+        self._assert_is_running()
+        for pipe in self.parent_pipes:
+            pipe.send(("_check_spaces", (self.observation_mode, self.single_observation_space,
+                                         self.single_action_space)))
+        deadline = time.monotonic() + MAKE_TIMEOUT_S
+        waiting = list(self.parent_pipes)
+        while waiting:
+            ready = multiprocessing.connection.wait(
+                waiting, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [self.parent_pipes.index(p) for p in waiting]
+                raise RuntimeError(
+                    f"async env workers {late} of {self.num_envs} did not make their env "
+                    f"within {MAKE_TIMEOUT_S:g}s (sebulba.envs.async_workers.MAKE_TIMEOUT_S):"
+                    " its constructor waits on something that does not come")
+            waiting = [p for p in waiting if p not in ready]
+        results, successes = zip(*[pipe.recv() for pipe in self.parent_pipes], strict=True)
+        self._raise_if_errors(successes)
+        same_observation_spaces, same_action_spaces = zip(*results, strict=True)
+        if not all(same_observation_spaces):
+            raise RuntimeError(
+                f"the envs' observation spaces differ from {self.single_observation_space} "
+                f"(observation_mode={self.observation_mode!r}): workers "
+                f"{[i for i, same in enumerate(same_observation_spaces) if not same]}")
+        if not all(same_action_spaces):
+            raise RuntimeError(
+                f"the envs' action spaces differ from {self.single_action_space}: workers "
+                f"{[i for i, same in enumerate(same_action_spaces) if not same]}")
 
     def _raise_if_errors(self, successes: Sequence[bool]) -> None:
         successes = list(successes)
