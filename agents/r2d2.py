@@ -108,7 +108,7 @@ class R2D2Config:
         sequence_length - sequence_overlap must equal steps_per_cycle and divide
         sequence_length.
       burn_in: leading steps of a sequence that only refresh the LSTM state (no loss,
-        no gradient).
+        no gradient); at most sequence_overlap, so that the sequence before learns them.
       n_step: steps of reward before bootstrapping the Q-learning target.
       discount: per-step discount.
       value_rescaling: learn h(Q) with h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x.
@@ -187,6 +187,14 @@ class R2D2Config:
             raise ValueError(
                 f"burn_in={self.burn_in} must be < sequence_length={self.sequence_length}: "
                 "some steps must be learnt from")
+        if self.burn_in > self.sequence_overlap:
+            # Each sequence learns its steps after the burn-in, the next one starts
+            # sequence_length - sequence_overlap later: steps in between are never learnt.
+            raise ValueError(
+                f"burn_in={self.burn_in} must be <= sequence_overlap={self.sequence_overlap}:"
+                f" else {self.burn_in - self.sequence_overlap} of every "
+                f"{self.sequence_period} env steps fall in a burn-in and are never learnt "
+                "from (raise sequence_overlap, with sequence_length, or lower burn_in)")
         if self.min_replay_size > self.replay_capacity:
             raise ValueError(
                 f"min_replay_size={self.min_replay_size} must be <= replay_capacity="

@@ -65,6 +65,10 @@ def test_config_errors_name_the_value_and_the_expectation():
         R2D2Config(n_step=0)
     with pytest.raises(ValueError, match="burn_in=80 must be < sequence_length=80"):
         R2D2Config(burn_in=80)
+    # no overlap with a burn-in: half of the steps would never be learnt from
+    with pytest.raises(ValueError, match=r"burn_in=40 must be <= sequence_overlap=0: else "
+                                         r"40 of every 80 env steps fall in a burn-in"):
+        R2D2Config(sequence_length=80, sequence_overlap=0)
     with pytest.raises(ValueError, match=r"sequence_length=80 must be a multiple of its "
                                          r"period, sequence_length - sequence_overlap = 30"):
         R2D2Config(sequence_overlap=50)

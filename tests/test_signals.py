@@ -261,3 +261,42 @@ def test_a_signal_before_training_ends_the_launcher_with_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == "stopped by SIGINT before training started"
     assert not (tmp_path / "metrics.jsonl").exists() or not (
         tmp_path / "metrics.jsonl").read_text().strip()
+
+
+HARD_EXIT_WITH_WORKERS_SCRIPT = textwrap.dedent("""
+    import multiprocessing, signal, sys, time
+    from sebulba.runtime.preemption import end_process_now
+
+    def ignores_sigterm():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as env workers do
+        time.sleep(300)
+
+    if __name__ == "__main__":
+        workers = [multiprocessing.get_context("spawn").Process(target=ignores_sigterm)
+                   for _ in range(4)]
+        for w in workers:
+            w.start()
+        time.sleep(3.0)  # each has installed its handler
+        print(*[w.pid for w in workers], flush=True)
+        end_process_now(7, "the grace is over")
+""")
+
+
+@pytest.mark.timeout(60)
+def test_the_hard_exit_does_not_wait_for_workers_that_ignore_sigterm(tmp_path):
+    script = tmp_path / "hard_exit.py"
+    script.write_text(HARD_EXIT_WITH_WORKERS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        start = time.monotonic()
+        proc.wait(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 7
+    assert took < 2.0, took  # a wait of 2 s per worker took 8
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]  # killed, reaped

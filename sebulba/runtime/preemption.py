@@ -37,12 +37,14 @@ def end_process_now(code: int, why: str) -> None:
     """Prints why, ends this process's child processes (env workers) and exits with `code`
     at once: for when the main thread cannot be reached (stuck in a C call)."""
     print(f"sebulba: {why}; exiting with {code}", file=sys.stderr, flush=True)
-    for child in multiprocessing.active_children():
-        child.terminate()
-    for child in multiprocessing.active_children():
-        child.join(timeout=2.0)
-        if child.is_alive():
-            child.kill()
+    # Killed, not terminated: env workers ignore SIGTERM (the parent decides when they
+    # end), and a wait for each would keep a scheduler's kill window waiting per worker.
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    deadline = time.monotonic() + 2.0
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
     os._exit(code)
 
 
