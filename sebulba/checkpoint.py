@@ -443,7 +443,21 @@ class Checkpointer:
                 out[k] = v
                 continue
             args = ocp.args.Composite(**{k: ocp.args.StandardRestore(_to_savable(v))})
-            saved = self._read(step, k, lambda args=args: self._manager.restore(step, args=args))
+            try:
+                saved = self._read(step, k,
+                                   lambda args=args: self._manager.restore(step, args=args))
+            except DamagedCheckpoint as e:
+                if not self._reads_as_saved(step, k):
+                    raise
+                # Intact, but not of this run's structure: the optimizer state's and the
+                # experience's follow the agent's settings (an optimizer, a clip left out).
+                differ = _agent_setting_differences(meta, metadata)
+                settings = (f", whose agent settings differ from the checkpoint's "
+                            f"({'; '.join(differ[:5])})" if differ else "")
+                raise CheckpointMismatch(
+                    f"{where}: its {k} is intact but does not fit this run's{settings}: "
+                    f"resume with the checkpoint's settings, or start a new run "
+                    f"({e.cause})") from e
             _check_like(where, k, saved[k], v)
             out[k] = _from_saved(saved[k], v)
         return Restored(
@@ -454,6 +468,16 @@ class Checkpointer:
             counters=dict(meta.get("counters") or {}),
             metadata=meta,
         )
+
+    def _reads_as_saved(self, step: int, part: str) -> bool:
+        """Whether part `part` of checkpoint `step` reads back in the structure it was
+        saved in (it is intact) where it did not read into this run's."""
+        args = ocp.args.Composite(**{part: ocp.args.StandardRestore()})
+        try:
+            self._manager.restore(step, args=args)
+        except Exception:  # noqa: BLE001 - any failure: damage after all
+            return False
+        return True
 
     def check_metadata(self, metadata: Mapping[str, Any], step: int | None = None
                        ) -> dict[str, Any]:
@@ -508,6 +532,16 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _agent_setting_differences(saved: Mapping[str, Any], run: Mapping[str, Any]) -> list[str]:
+    """The agent settings (metadata "agent_config") in which a run differs from a
+    checkpoint, as "field: checkpoint X, run Y" (compared as JSON holds them)."""
+    saved_config = saved.get("agent_config") or {}
+    run_config = json.loads(json.dumps(run.get("agent_config") or {}))
+    return [f"{k}: checkpoint {saved_config.get(k)!r}, run {run_config.get(k)!r}"
+            for k in sorted(set(saved_config) | set(run_config))
+            if saved_config.get(k) != run_config.get(k)]
 
 
 _PART_SUFFIXES = (".npz", ".json", ".npz.tmp", ".json.tmp")  # a process part's files

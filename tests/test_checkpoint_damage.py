@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -53,6 +54,31 @@ def damage(step_dir: str, part: str, how: str) -> None:
 
 DAMAGE = [(part, how) for part in ("nets", "opt", "meta")
           for how in ("truncated", "deleted", "garbled")] + [("step", "emptied")]
+
+
+@pytest.mark.timeout(120)
+def test_an_intact_optimizer_state_of_another_structure_is_a_mismatch_not_damage(tmp_path):
+    """A resumed run whose agent settings change the optimizer (its clip left out): the
+    checkpoint is intact, and says which settings differ, instead of being passed over
+    (and set aside) as damaged."""
+    import optax
+
+    from sebulba.checkpoint import CheckpointMismatch
+
+    nets = {"w": jnp.ones((3, 2))}
+    clipped = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-3))
+    saved = {"agent": "ppo", "agent_config": {"max_grad_norm": 0.5}}
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)
+    checkpointer.save(1, nets=nets, opt=clipped.init(nets), counters={"consumed": 1},
+                      metadata=saved)
+    run = {"agent": "ppo", "agent_config": {"max_grad_norm": 0.0}}
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            "its opt is intact but does not fit this run's, whose agent settings differ "
+            "from the checkpoint's (max_grad_norm: checkpoint 0.5, run 0.0)")):
+        checkpointer.restore(nets=nets, opt=optax.adam(1e-3).init(nets), metadata=run, step=1)
+    # With the checkpoint's settings it restores
+    restored = checkpointer.restore(nets=nets, opt=clipped.init(nets), metadata=saved, step=1)
+    assert restored.counters == {"consumed": 1}
 
 
 @pytest.mark.timeout(120)
