@@ -64,7 +64,9 @@ _LOG_EVERY = flags.DEFINE_float("log_every_seconds", 5.0, "Seconds between metri
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every_steps", 100_000, "Env steps between checkpoints (needs --logdir).")
-_KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
+_KEEP = flags.DEFINE_integer(
+    "keep_checkpoints", 3, "Checkpoints to keep (one more in a multi-process run, so that a "
+    "save cut short in one process leaves a step every process holds).")
 _SAVE_EXPERIENCE = flags.DEFINE_enum(
     "checkpoint_experience", "auto", ["auto", "on", "off"],
     "Checkpoint the learner's experience (PPO's batch and minibatch key, R2D2's replay) so "
@@ -427,7 +429,14 @@ def open_checkpoints() -> Checkpointer:
         raise no_checkpoint_error(directory)
     lock_logdir(_LOGDIR.value)
     check_writable(process_directory(os.path.abspath(directory), jax.process_index()))
-    return Checkpointer(directory, max_to_keep=_KEEP.value, primary_only=True)
+    return Checkpointer(directory, max_to_keep=checkpoints_to_keep(), primary_only=True)
+
+
+def checkpoints_to_keep() -> int:
+    """--keep_checkpoints, and one more in a multi-process run: each process prunes its own
+    part, so a save cut short in one (a kill in the grace, a full disk) must leave a step
+    that every process still holds."""
+    return _KEEP.value + (jax.process_count() > 1)
 
 
 def check_fresh_start(checkpointer: Checkpointer) -> None:
@@ -481,7 +490,7 @@ def restore(launch: Launch) -> None:
     if checkpointer is not None and not primary:
         launch.own = ProcessCheckpointer(
             process_directory(checkpointer.directory, jax.process_index()),
-            max_to_keep=_KEEP.value)
+            max_to_keep=checkpoints_to_keep())
     launch.state = state
     if not launch.resume_steps:
         return
@@ -490,6 +499,11 @@ def restore(launch: Launch) -> None:
             restored, mine = restore_intact(launch, state)
     except ValueError as e:
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
+    if not primary:  # newer parts of its own, stale (process 0 sets its own aside)
+        stale = launch.own.discard_after(restored.counters["consumed"])
+        if stale:
+            print(f"process {jax.process_index()}: removed its parts of checkpoints "
+                  f"{stale}, newer than the one resumed")
     launch.state = state._replace(
         nets=restored.nets, opt=restored.opt,
         step_state=state.step_state if mine.step_state is None else mine.step_state)

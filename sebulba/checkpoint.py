@@ -633,6 +633,19 @@ class ProcessCheckpointer:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.directory, name))
 
+    def discard_after(self, step: int) -> list[int]:
+        """Removes the parts of steps after `step` (the JSON first), which a run resumed
+        from `step` can never use: a save cut short elsewhere left them, and one at the
+        same step later must not find a stale part there. Returns those steps."""
+        stale = [s for s in self.all_steps() if s > step]
+        for s in stale:
+            for suffix in (".json", ".npz"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._path(s, suffix))
+        if stale:
+            _sync_directory(self.directory)
+        return stale
+
     def _write(self, step: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         with open(self._path(step, ".npz.tmp"), "wb") as f:
             np.savez(f, **arrays)

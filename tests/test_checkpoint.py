@@ -203,3 +203,8 @@ def test_a_process_s_own_part_round_trips_with_its_keys_and_keeps_the_last_k(tmp
     assert sorted(os.listdir(directory)) == ["30.json", "30.npz", "40.json", "40.npz"]
     assert part.restore(metadata={"agent": "counting"}, step_state=like_state).counters == {
         "learner_updates": 40}
+    # A run resumed from 30 (process 0's save of 40 was cut short) drops its part of 40:
+    # a save at 40 later must not find it there, nor a later prune keep it as the newest.
+    assert part.discard_after(30) == [40]
+    assert sorted(os.listdir(directory)) == ["30.json", "30.npz"]
+    assert part.discard_after(30) == []

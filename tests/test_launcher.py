@@ -291,6 +291,25 @@ def test_the_same_command_on_two_processes_trains_one_cluster(tmp_path):
          for i in range(2)], [env, env])
     assert f"at {steps[0][-2]:,} env steps" in resumed[0]
     assert last_json(resumed[0])["total_consumed"] >= 6000
+    # A save cut short in process 0 instead (its step directory gone): both resume from
+    # the step before, and process 1 drops its own part of the newer step. Each keeps
+    # one more than --keep_checkpoints (1 here): a cut-short save leaves a common step.
+    steps = [sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()),
+             sorted(int(f[:-5]) for f in os.listdir(run_dir / "checkpoints_process_1")
+                    if f.endswith(".json"))]
+    assert steps[0] == steps[1] and len(steps[0]) >= 2
+    shutil.rmtree(run_dir / "checkpoints" / str(steps[0][-1]))
+    again = run_launchers(
+        [[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+          "--total_env_steps=8000", f"--logdir={run_dir}", "--resume",
+          "--keep_checkpoints=1", "--checkpoint_every_steps=1500", *SMALL]
+         for i in range(2)], [env, env])
+    assert f"at {steps[0][-2]:,} env steps" in again[0]
+    assert f"removed its parts of checkpoints [{steps[0][-1]}]" in again[1]
+    after = [sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()),
+             sorted(int(f[:-5]) for f in os.listdir(run_dir / "checkpoints_process_1")
+                    if f.endswith(".json"))]
+    assert after[0] == after[1] and len(after[0]) == 2
 
 
 @pytest.mark.timeout(240)
