@@ -50,6 +50,7 @@ from sebulba.checkpoint import (
 from sebulba.envs import registry
 from sebulba.metrics import MultiWriter, Reporter, WandbWriter, default_writers, json_line
 from sebulba.runtime import distributed
+from sebulba.runtime.distributed import check_same_on_every_process
 from sebulba.runtime.preemption import Preemption
 
 # --checkpoint_experience=auto saves experiences up to this size per process.
@@ -497,6 +498,11 @@ def restore(launch: Launch) -> None:
     try:
         with quiet_info():
             restored, mine = restore_intact(launch, state)
+        # Each process chose on its own; a read error on one host only would have them
+        # resume from different steps (diverged replicas, different step targets).
+        check_same_on_every_process(
+            restored.counters["consumed"], "the checkpoint step to resume from (one could "
+            "not read a part the others read: see each process's log)")
     except ValueError as e:
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
     if not primary:  # newer parts of its own, stale (process 0 sets its own aside)

@@ -3,6 +3,7 @@ and test_device_invariance.py).
 
     python -m tests.multihost_worker PORT NUM_PROCESSES PROCESS_ID MODE OUT_DIR [ARGS...]
 
+MODE "agree" checks `distributed.check_same_on_every_process` (process i passes 100 + i).
 MODE "ppo" takes ARGS ENVS_PER_GROUP NUM_LEARNER_DEVICES TOTAL_ENV_STEPS SEED; with
 NUM_PROCESSES 1 it is a plain single-process run (no jax.distributed), the reference a
 cluster is compared with. MODE "statistics" runs PPO on Pendulum-v1 (Box actions: the
@@ -122,6 +123,16 @@ def main(port: str, num_processes: str, process_id: str, mode: str, out_dir: str
         return
     distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id),
                            heartbeat_timeout_seconds=10)
+    if mode == "agree":  # the same value, then one value per process
+        distributed.check_same_on_every_process(100, "a value")
+        try:
+            distributed.check_same_on_every_process(100 + int(process_id), "the step")
+            error = None
+        except ValueError as e:
+            error = str(e)
+        with open(out + ".json", "w") as f:
+            json.dump({"error": error}, f)
+        return
     if mode in ("counting", "hang", "stop", "stall"):
         if mode == "hang":  # async workers that record their pids, to check they end
             env = functools.partial(PidRecordingEnv, out_dir)

@@ -52,6 +52,18 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
     return results
 
 
+@pytest.mark.timeout(120)
+def test_a_choice_the_processes_must_share_is_checked_across_them(tmp_path, no_leftovers):
+    """E.g. the checkpoint step a run resumes from, which each process picks on its own."""
+    results = _finish(_start(2, "agree", tmp_path), timeout=100)
+    for rc, err in results:
+        assert rc == 0, err[-3000:]
+    for i in range(2):
+        with open(tmp_path / f"process{i}.json") as f:
+            assert json.load(f)["error"] == ("the processes disagree on the step: process 0 "
+                                             "100, process 1 101")
+
+
 @pytest.mark.parametrize("num_processes", [2, 3])
 @pytest.mark.timeout(240)
 def test_processes_learn_as_one(num_processes, tmp_path, no_leftovers):

@@ -11,6 +11,8 @@ import sys
 import traceback
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from sebulba.runtime.preemption import end_process_now
 
@@ -50,3 +52,15 @@ def end_failed_process(why: str, code: int = 1) -> None:
     if sys.exc_info()[0] is not None:
         traceback.print_exc()
     end_process_now(code, why)
+
+
+def check_same_on_every_process(value: int, what: str) -> None:
+    """ValueError naming each process's `value` unless all processes of the run passed the
+    same (a collective: every process calls it): for choices each process makes on its
+    own that must agree, such as the checkpoint step a run resumes from."""
+    if jax.process_count() == 1:
+        return
+    values = np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int64)))
+    if len(set(values.tolist())) > 1:
+        raise ValueError(f"the processes disagree on {what}: " + ", ".join(
+            f"process {i} {v}" for i, v in enumerate(values.tolist())))
