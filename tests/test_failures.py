@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -162,6 +163,32 @@ def test_nan_in_the_published_networks_stops_the_run(no_leftovers):
                        match=r"networks published after update 1 hold NaN or inf, first in "
                              r"\['b'\] \(1 of 2 leaves\)"):
         make_loop(NaNOnlyInActingNets).run(10**9)
+
+
+class NaNStatistics(CountingAgent):
+    """Learns in its statistics alone (no optimizer step), which turn NaN."""
+
+    def optimizer_steps_per_update(self, layout):
+        return 0
+
+    def update_statistics(self, nets, trajectory):
+        return jax.tree.map(lambda x: x * jnp.nan, nets)
+
+
+@pytest.mark.timeout(60)
+def test_nan_published_by_an_agent_without_optimizer_steps_stops_the_run(no_leftovers):
+    with pytest.raises(FloatingPointError,
+                       match=r"networks published after update 1 hold NaN or inf"):
+        make_loop(NaNStatistics).run(20 * 4 * 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_nan_state_is_an_error_before_on_update_copies_it_for_a_checkpoint(no_leftovers):
+    copied = []
+    with pytest.raises(FloatingPointError, match="loss is nan after update 1"):
+        make_loop(NaNLoss).run(10**9, on_update=lambda info: copied.append(
+            info.learner_state()))
+    assert copied == []
 
 
 class UpdateRaises(CountingAgent):

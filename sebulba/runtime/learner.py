@@ -300,7 +300,8 @@ class Learner:
                 self.publish()
                 self._pending = (self.updates, metrics, self._published_finite)
             elif not self.optims_per_update:  # an agent that learns in its statistics or
-                self.publish()  # experience alone: its networks still move on
+                self.publish()  # experience alone: its networks still move on, checked
+                self._pending = (self.updates, {}, self._published_finite)
             t2 = time.perf_counter()
         self.accounting.add_time("update_experience", t1 - t0)
         self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)
@@ -331,7 +332,9 @@ class Learner:
             x.is_ready() for x in jax.tree.leaves(self._pending[1:]))
 
     def finish(self) -> None:
-        """Fetches the last update's metrics (and checks them)."""
+        """Fetches the last update's metrics (and checks them): at the end of a run, and
+        before its state is copied out (a checkpoint must not hold NaN networks that the
+        next update's check would only then report)."""
         with self._naming_peer_failures():
             self._fetch_pending()
 

@@ -61,8 +61,12 @@ class UpdateInfo:
 
     def learner_state(self) -> tuple[Nets, PyTree, PyTree]:
         """(nets, opt, local experience [num_local_learners, ...]) copied off the
-        learner now, e.g. for a checkpoint; costs a copy, so call it only when needed."""
+        learner now, e.g. for a checkpoint; costs a copy, so call it only when needed, and
+        within `on_update` (the next update reuses these buffers). First waits for this
+        update's finiteness check (`Config.check_finite`), which raises before a NaN state
+        is copied out, rather than at the next update."""
         snap = self._learner
+        snap.check()
         return (sharding.first_replica(snap.nets), sharding.first_replica(snap.opt),
                 sharding.local_entries(snap.experience))
 
@@ -80,6 +84,7 @@ class _LearnerSnapshot(NamedTuple):
     opt: PyTree
     experience: PyTree
     cut: _ConsumedCut
+    check: Callable[[], None]  # the learner's pending finiteness check
 
 
 class _ConsumedCut:
@@ -398,7 +403,8 @@ class Sebulba:
             if on_update is not None:
                 on_update(UpdateInfo(
                     learner.updates, learner.metrics, learner.published, accounting,
-                    _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut),
+                    _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut,
+                                     learner.finish),
                     evaluations))
             # One process needs no vote: an event set in on_update counts at once.
             if run.stopped_early or (self.num_processes == 1 and stop is not None
