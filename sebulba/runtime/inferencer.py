@@ -321,8 +321,7 @@ def copies_early_to_host(device: jax.Device) -> bool:
 
 
 def start_host_copies(output: ActorOutput | jax.Array) -> None:
-    for x in jax.tree.leaves(output):
-        x.copy_to_host_async()
+    transfers.start_to_host(jax.tree.leaves(output))
 
 
 def _host_output(action: np.ndarray, output: ActorOutput) -> list[np.ndarray]:

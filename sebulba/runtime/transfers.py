@@ -74,6 +74,19 @@ def to_host_all(xs: list[jax.Array], place: str) -> list[np.ndarray]:
     return [np.asarray(x) for x in xs]
 
 
+def start_to_host(xs: list[jax.Array]) -> None:
+    """Starts copying `xs` to the host (an accelerator's round trip begins at dispatch; the
+    fetch that follows is counted). A deliberate transfer, allowed inside `guarded`,
+    whose device-to-host guard catches this call too on an accelerator."""
+    if is_guarded():
+        with jax.transfer_guard_device_to_host("allow"):
+            for x in xs:
+                x.copy_to_host_async()
+    else:
+        for x in xs:
+            x.copy_to_host_async()
+
+
 def count(place: str) -> None:
     """Counts a transfer made by other means (`jax.device_put` to learner devices)."""
     if _counts is not None:
