@@ -56,6 +56,14 @@ def test_trajectories_scale_with_envs_steps_and_the_queue():
     assert b["recorded trajectories"] == 2 * a["recorded trajectories"]
     # 2 groups' worth in the queue and one popped, then 6 and one, twice the envs.
     assert b["queued trajectories"] == 2 * a["queued trajectories"] * 7 // 3
+    # each item carries its initial and final step states; one item per update: no join
+    step_state = memory.tree_bytes(jax.eval_shape(
+        lambda k: small.agent.new_step_state(small.agent.new_networks(k), k, 8),
+        jax.random.key(0)))
+    assert a["queued step states"] == 2 * step_state * 3 and "joined trajectories" not in a
+    joined = parts(_spg_loop(envs_per_group=8, steps_per_cycle=16, trajectories_per_update=2))
+    assert joined["joined trajectories"] == 2 * (
+        a["queued trajectories"] // 3 + 2 * step_state)
 
 
 def test_a_layout_that_cannot_fit_is_refused_before_anything_is_allocated(no_leftovers):

@@ -7,7 +7,8 @@ is the lower bound of what the run allocates, from the shapes the agent declares
 (traced with `jax.eval_shape`, so nothing is allocated to find them):
 
 - trajectories: one being recorded on the host per env group, and the queue's items
-  (plus the K an update takes) on the learner devices;
+  (plus the K an update takes, with their initial and final step states, and their
+  join's copy where K > 1) on the learner devices;
 - step states: every env's, on the inference devices, and the learner's copy of the
   step states it consumed up to (the cut a checkpoint saves);
 - networks on every device, optimizer state and experience (a replay) on every
@@ -68,8 +69,13 @@ def estimate(agent: Agent, layout: Layout, inference_devices: Sequence[jax.Devic
     actor_output, _ = jax.eval_shape(agent.step, step_state, acting, env_step)
     trajectory = (tree_bytes(env_step) * (steps + 1) + tree_bytes(actor_output) * steps)
     learners, inferers = len(learner_devices), len(inference_devices)
+    k = layout.trajectories_per_update
     on_learners = {  # over all learner devices
-        "queued trajectories": trajectory * (queue_capacity + layout.trajectories_per_update),
+        "queued trajectories": trajectory * (queue_capacity + k),
+        "queued step states": 2 * tree_bytes(step_state) * (queue_capacity + k),
+        # an update joins its K items along the env axis: a second copy while it runs
+        **({"joined trajectories": (trajectory + 2 * tree_bytes(step_state)) * k}
+           if k > 1 else {}),
         "networks (learner)": tree_bytes(nets) * learners,
         "optimizer state": tree_bytes(jax.eval_shape(agent.new_opt_state, nets, key)) * learners,
         "experience": tree_bytes(jax.eval_shape(
