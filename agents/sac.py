@@ -217,12 +217,12 @@ class SAC(sebulba.Agent):
                              "a Discrete space)")
         if len(space.shape) != 1:
             raise ValueError(f"SAC needs a 1-D Box action space, got shape {space.shape}")
-        # Actions are float32: bounds (and the half-range of the rescaling) beyond its
-        # range would make them inf or NaN at the first step.
+        # Actions are float32: bounds beyond its range would make them inf or NaN at the
+        # first step (within it, so is the half-range below).
         low, high = np.asarray(space.low, np.float64), np.asarray(space.high, np.float64)
         with np.errstate(over="ignore", invalid="ignore"):
-            half = 0.5 * high - 0.5 * low  # not (high - low) / 2: that overflows at +-max
-            finite32 = [np.isfinite(x.astype(np.float32)).all() for x in (low, high, half)]
+            finite32 = [np.isfinite(x.astype(np.float32)).all() for x in (low, high)]
+        half = 0.5 * high - 0.5 * low  # not (high - low) / 2: that overflows at +-max
         if not all(finite32):
             raise ValueError(f"SAC rescales actions to the Box's bounds, which must be "
                              f"finite in float32 (|bound| <= {np.finfo(np.float32).max:.4g}); "

@@ -50,7 +50,6 @@ from sebulba.checkpoint import (
 from sebulba.envs import registry
 from sebulba.metrics import MultiWriter, Reporter, WandbWriter, default_writers, json_line
 from sebulba.runtime import distributed
-from sebulba.runtime.distributed import check_same_on_every_process
 from sebulba.runtime.preemption import Preemption
 
 # --checkpoint_experience=auto saves experiences up to this size per process.
@@ -500,7 +499,7 @@ def restore(launch: Launch) -> None:
             restored, mine = restore_intact(launch, state)
         # Each process chose on its own; a read error on one host only would have them
         # resume from different steps (diverged replicas, different step targets).
-        check_same_on_every_process(
+        distributed.check_same_on_every_process(
             restored.counters["consumed"], "the checkpoint step to resume from (one could "
             "not read a part the others read: see each process's log)")
     except ValueError as e:

@@ -254,7 +254,7 @@ import numpy as np
 from sebulba.envs.gymnasium_source import make_vector_env
 from tests.envs import StuckStepEnv
 if __name__ == "__main__":
-    vec = make_vector_env(StuckStepEnv, 2, "async")
+    vec = make_vector_env(StuckStepEnv, 2, "async", async_context=sys.argv[1])
     vec.reset(seed=0)
     vec.step_async(np.zeros(2, np.int64))  # the workers are stuck in their steps
     print(*[p.pid for p in vec.processes], flush=True)
@@ -263,7 +263,8 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(60)
-def test_workers_end_when_their_parent_is_killed(tmp_path):
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])  # a forkserver's workers'
+def test_workers_end_when_their_parent_is_killed(tmp_path, context):  # OS parent: the server
     """A parent killed (SIGKILL, out of memory) closes nothing, and a worker stuck in its
     env never reads its pipe again: each watches for its parent instead."""
     import subprocess
@@ -272,14 +273,14 @@ def test_workers_end_when_their_parent_is_killed(tmp_path):
     script = tmp_path / "orphans.py"
     script.write_text(_ORPHAN_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+    parent = subprocess.Popen([sys.executable, str(script), context], stdout=subprocess.PIPE,
                               text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
     try:
         pids = [int(x) for x in parent.stdout.readline().split()]
         assert len(pids) == 2
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10 * async_workers._PARENT_POLL_S
+        deadline = time.monotonic() + 10
         alive = pids
         while alive and time.monotonic() < deadline:
             time.sleep(0.1)

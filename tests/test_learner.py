@@ -104,10 +104,10 @@ def test_actors_see_what_acting_nets_publishes_with_the_learner_updates(no_lefto
     # reached), a few updates behind. A thread starved by a loaded machine can fall
     # further behind (CI saw 8), or never have a trajectory consumed in so short a run
     # (its group still at the initial 0; seen once beside other tests' processes), so
-    # the lag bound is on the group the learner heard from last and on the typical lag.
+    # the lag bound is on the typical env and the typical lag.
     seen = np.asarray(result.state.step_state.last_id)
     assert (seen == np.round(seen)).all() and seen.max() <= 30
-    assert seen.max() >= 30 - 4 * (2 * 2 + 2)
+    assert np.median(seen) >= 30 - 4 * (2 * 2 + 2)
     assert np.median(result.policy_lags) <= 2 * 2 + 2
 
 

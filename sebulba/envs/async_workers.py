@@ -169,8 +169,6 @@ CLOSE_TIMEOUT_S = 5.0
 # A report stays under a pipe's buffer (64 KiB on Linux): the worker's flush waits for
 # the parent to read only beyond it, and the parent reads only after the reply.
 _MAX_REPORT_BYTES = 32_768
-# How often a worker looks whether its parent is still there.
-_PARENT_POLL_S = 1.0
 # How long the parent waits for its workers to make their envs: a simulator may take
 # minutes to start, one that never does must not hang the run's start (nothing else
 # watches it then: the progress watchdog starts with the inferencer threads).
@@ -437,14 +435,16 @@ def _error_report(index: int, error_type: type, error: BaseException,
     background thread that only prints a failure, and the parent would wait forever for
     the lost report: an error that does not survive pickling is sent as a RuntimeError
     naming it instead."""
-    if len(trace) > _MAX_REPORT_BYTES // 2:  # a deep recursion's: its two ends
-        half = _MAX_REPORT_BYTES // 4
-        trace = f"{trace[:half]}\n[...]\n{trace[-half:]}"
+    # A deep recursion's trace: its two ends (characters of up to 4 bytes each).
+    if len(trace) > _MAX_REPORT_BYTES // 8:
+        end = _MAX_REPORT_BYTES // 16
+        trace = f"{trace[:end]}\n[...]\n{trace[-end:]}"
     report = (index, error_type, error, trace)
     try:
-        if len(pickle.dumps(report)) > _MAX_REPORT_BYTES:
-            raise ValueError("the report is too large")
-        pickle.loads(pickle.dumps(report))
+        pickled = pickle.dumps(report)
+        if len(pickled) > _MAX_REPORT_BYTES:
+            raise ValueError(f"the report is {len(pickled)} bytes")
+        pickle.loads(pickled)
         return report
     except Exception as e:  # noqa: BLE001 - any pickling failure
         message = (f"{error_type.__name__}: {str(error)[:1000]} (the env's error could not "
@@ -455,16 +455,15 @@ def _error_report(index: int, error_type: type, error: BaseException,
 def _end_with_parent() -> None:
     """Ends this worker process once its parent is gone: a parent killed (SIGKILL, out of
     memory) never closes it, and a worker stuck in its env would not read the closed
-    pipe. A thread, not PR_SET_PDEATHSIG, which fires when the thread that started the
-    worker ends, not its process."""
+    pipe. A thread waiting on the parent's sentinel (whatever the start method: under
+    "forkserver" the worker's OS parent is the server), not PR_SET_PDEATHSIG, which fires
+    when the thread that started the worker ends, not its process."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
-    pid = parent.pid
 
     def watch() -> None:
-        while os.getppid() == pid:
-            time.sleep(_PARENT_POLL_S)
+        parent.join()
         os._exit(1)
 
     threading.Thread(target=watch, name="sebulba-parent-watch", daemon=True).start()

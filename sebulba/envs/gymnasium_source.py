@@ -307,9 +307,7 @@ def close_vector_env(vec: gym.vector.VectorEnv) -> None:
     """Closes a vector env. Subprocess workers (sebulba's `AsyncVectorEnv`) are asked to
     close their envs and killed if they have not within `CLOSE_TIMEOUT_S`; those of
     another AsyncVectorEnv are terminated, not waited for."""
-    if isinstance(vec, AsyncVectorEnv):
-        vec.close()
-    elif isinstance(vec, gym.vector.AsyncVectorEnv):
+    if isinstance(vec, gym.vector.AsyncVectorEnv) and not isinstance(vec, AsyncVectorEnv):
         vec.close(terminate=True)
     else:
         vec.close()

@@ -13,10 +13,10 @@ episodes outlast the estimate, or never end) is abandoned, not reported, and the
 one waits for twice the env steps it had taken. A resumed run counts the share from its
 own start, plus one evaluation's worth where the training before it allows that much: a
 run preempted and resumed every few hundred thousand steps still evaluates. The thread
-runs `eval_episodes` complete
-episodes (`sebulba.evaluation.EpisodeRunner`) per evaluation, on envs of its own made
-like the run's, and every `eval_video_every`-th evaluation records one more episode to
-`eval_video_dir`. An error in it stops the run like any thread's.
+runs `eval_episodes` complete episodes (`sebulba.evaluation.EpisodeRunner`) per
+evaluation, on envs of its own made like the run's, and every `eval_video_every`-th
+evaluation records one more episode to `eval_video_dir`. An error in it stops the run
+like any thread's.
 """
 
 from __future__ import annotations

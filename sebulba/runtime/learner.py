@@ -296,12 +296,11 @@ class Learner:
             self.optimizer_steps += steps
             self.steps_cut += self.optims_per_update - steps
             self.updates += 1
-            if metrics is not None:
+            # (An agent without optimizer steps learns in its statistics or experience
+            # alone: its networks still move on, and are checked.)
+            if metrics is not None or not self.optims_per_update:
                 self.publish()
-                self._pending = (self.updates, metrics, self._published_finite)
-            elif not self.optims_per_update:  # an agent that learns in its statistics or
-                self.publish()  # experience alone: its networks still move on, checked
-                self._pending = (self.updates, {}, self._published_finite)
+                self._pending = (self.updates, metrics or {}, self._published_finite)
             t2 = time.perf_counter()
         self.accounting.add_time("update_experience", t1 - t0)
         self.accounting.add_time("optimize", t2 - t1 + t0 - t_wait)

@@ -603,8 +603,9 @@ class Sebulba:
     def _shut_down(self, threads: list[threading.Thread], runners: list[EnvGroupRunner],
                    *, stalled: bool = False) -> list[str]:
         """Stops every thread and env, waiting at most about 2 x shutdown_timeout_s (one
-        after a stall, whose threads are known to be stuck; plus the async workers'
-        `CLOSE_TIMEOUT_S` where a stuck thread's env is closed).
+        after a stall, whose threads are known to be stuck), plus the async workers'
+        `CLOSE_TIMEOUT_S` where a stuck thread's env is closed and, one source after
+        another, where an idle source's envs hang in their own close.
 
         Returns the names of threads still alive after that: inferencers stuck in user
         code, and closes of their envs that did not return (`<inferencer>-closing`).
@@ -620,11 +621,11 @@ class Sebulba:
         closing = []
         for i, r in enumerate(runners):
             if i < len(threads) and threads[i].is_alive():
-                closing.append(threading.Thread(target=_close_quietly, args=(r.source,),
+                closing.append(threading.Thread(target=close_quietly, args=([r.source],),
                                                 name=f"{r.name}-closing", daemon=True))
                 closing[-1].start()
-            else:
-                _close_quietly(r.source)
+            else:  # a broken env must not keep the others from closing, nor fail the run
+                close_quietly([r.source])
         # An async env's close may take CLOSE_TIMEOUT_S (a worker that outlives SIGTERM).
         deadline = time.monotonic() + timeout + (CLOSE_TIMEOUT_S if closing else 0.0)
         for t in closing + threads:
@@ -646,12 +647,6 @@ def _update_cutter(stop: threading.Event | None, num_processes: int
                 and time.monotonic() + remaining_s > deadline)
 
     return cut
-
-
-def _close_quietly(source: EnvSource) -> None:
-    """A broken env must not keep the others from closing, nor fail a run that ended (or
-    hide the error it ended with): its error is logged."""
-    close_quietly([source], "an env source")
 
 
 def _concat_env_axis(trees: list[PyTree], device: jax.Device) -> PyTree:

@@ -78,11 +78,9 @@ def start_to_host(xs: list[jax.Array]) -> None:
     """Starts copying `xs` to the host (an accelerator's round trip begins at dispatch; the
     fetch that follows is counted). A deliberate transfer, allowed inside `guarded`,
     whose device-to-host guard catches this call too on an accelerator."""
-    if is_guarded():
-        with jax.transfer_guard_device_to_host("allow"):
-            for x in xs:
-                x.copy_to_host_async()
-    else:
+    allowed = jax.transfer_guard_device_to_host("allow") if is_guarded() else \
+        contextlib.nullcontext()
+    with allowed:
         for x in xs:
             x.copy_to_host_async()
 
