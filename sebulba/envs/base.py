@@ -266,25 +266,28 @@ def example_env_step(spec: EnvSpec, num_envs: int) -> EnvStep:
     )
 
 
+def _close_each(closeables: Sequence[Any]) -> list[Exception]:
+    """Closes each of `closeables`, even after some raised; their errors, in order."""
+    errors = []
+    for closeable in closeables:
+        try:
+            closeable.close()
+        except Exception as e:  # noqa: BLE001 - the others must still be closed
+            errors.append(e)
+    return errors
+
+
 def close_quietly(closeables: Sequence[Any], what: str = "an env") -> None:
     """Closes each of `closeables`, logging an error in a close rather than raising it:
     where an error is on its way to the caller (it must reach it as raised, not replaced
     by a close's), or a run has ended (a close must not fail it)."""
-    for closeable in closeables:
-        try:
-            closeable.close()
-        except Exception:  # noqa: BLE001 - see the docstring
-            logging.getLogger(__name__).warning("closing %s failed", what, exc_info=True)
+    for error in _close_each(closeables):
+        logging.getLogger(__name__).warning("closing %s failed", what, exc_info=error)
 
 
 def close_all(closeables: Sequence[Any]) -> None:
     """Closes each of `closeables` (env sources, envs), even if closing one raises (the
     first error is re-raised)."""
-    error = None
-    for closeable in closeables:
-        try:
-            closeable.close()
-        except Exception as e:  # noqa: BLE001 - the others must still be closed
-            error = error or e
-    if error is not None:
-        raise error
+    errors = _close_each(closeables)
+    if errors:
+        raise errors[0]
