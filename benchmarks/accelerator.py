@@ -10,7 +10,9 @@ Stages (`--stages` picks some):
   for one group's envs, alternating between async_factor groups, the observations copied
   from the host, the action fetched back as the loop fetches it), median and p90 over many
   calls after a warm-up, for each of `--envs_per_call`; PPO's MLP (CartPole-v1) and its
-  Nature CNN (EnvPool Breakout-v5 frames, 4 x 84 x 84 uint8).
+  Nature CNN (EnvPool Breakout-v5 frames, 4 x 84 x 84 uint8). Beside it ("recording"),
+  the median of the same call writing the step into a device buffer as well: what
+  assembling the trajectory on the device rather than in host memory would cost a call.
 - acting_only: the 5x200 SPG acting benchmark (`benchmarks/acting_spg.py`: CartPole-v1,
   sync envs, acting only) beside its bounds, env-only and inference-only.
 - breakout_ppo, breakout_impala: training on EnvPool Breakout-v5 with the Nature CNN, the
@@ -76,6 +78,8 @@ BREAKOUT_ID = "Breakout-v5"
 HALFCHEETAH_ID = "HalfCheetah-v5"
 MLP_ENV_ID = "CartPole-v1"
 # The stage's (agent, EnvPool task) of each training stage.
+# Steps of the device buffer the latency stage's recording acting call writes into.
+RECORD_STEPS = 32
 TRAINING = {"breakout_ppo": ("ppo", BREAKOUT_ID), "breakout_impala": ("impala", BREAKOUT_ID),
             "halfcheetah_ppo": ("ppo", HALFCHEETAH_ID)}
 ENV_SOURCES = ("auto", "envpool", "gymnasium")
@@ -206,12 +210,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # Acting-call latency.
 
+def _recording_act(acting, env_step, steps: int):
+    """(act, new_buffer): the acting call `act(nets, step_state, env_step, buffer)` that
+    also writes the step (the env step and the agent's outputs) at the buffer's cursor
+    in a donated device buffer of `steps` steps, as assembling the trajectory on the
+    device would; `new_buffer()` an empty one. For the latency stage's comparison only:
+    the loop records in host memory (DESIGN.md, "The path of one trajectory")."""
+    import jax
+    import jax.numpy as jnp
+
+    def act(nets, step_state, env_step, buffer):
+        cursor, env_steps, outputs = buffer
+        output, step_state = acting._act_all(nets, step_state, env_step)
+
+        def write(buf, x):
+            return jax.lax.dynamic_update_index_in_dim(buf, x, cursor, axis=1)
+
+        env_steps = jax.tree.map(write, env_steps, env_step)
+        outputs = [write(b, x) for b, x in zip(outputs, jax.tree.leaves(output), strict=True)]
+        return output, step_state, ((cursor + 1) % steps, env_steps, outputs)
+
+    def new_buffer(nets, step_state, env_step):
+        output, _ = jax.eval_shape(acting._act_all, nets, step_state, env_step)
+        return (jnp.zeros((), jnp.int32),
+                jax.tree.map(lambda x: jnp.zeros((x.shape[0], steps + 1) + x.shape[1:],
+                                                 x.dtype), env_step),
+                [jnp.zeros((x.shape[0], steps) + x.shape[1:], x.dtype)
+                 for x in jax.tree.leaves(output)])
+
+    return jax.jit(act, donate_argnums=(1, 3)), jax.jit(new_buffer)
+
+
 def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: float,
                         seed: int) -> dict[str, Any]:
     """Per-call seconds of the loop's acting call for one group of `num_envs` envs, the
     calls alternating between `num_groups` groups (each its own StepState), as the loop
     drives EnvPool's groups in turn: the host's observations copied in, the action
-    fetched back (after starting its copy, as the loop does on an accelerator)."""
+    fetched back (after starting its copy, as the loop does on an accelerator).
+
+    Then the same with the step also written into a device buffer of RECORD_STEPS steps
+    per group (`record_on_device_median_us`): what assembling the trajectory on the
+    device instead of in host memory would add to each acting call."""
     import jax
     import numpy as np
 
@@ -239,6 +278,9 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     env_step = template._replace(obs=obs)
     copies_early = copies_early_to_host(device)
 
+    act_recording, new_buffer = _recording_act(acting, env_step, RECORD_STEPS)
+    buffers = [new_buffer(leaves, s, env_step) for s in step_states]
+
     def call(i: int) -> float:
         g = i % num_groups
         t0 = time.perf_counter()
@@ -248,22 +290,38 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
         fetch_polling(output.action, DEFAULT_ACTION_POLL_S)
         return time.perf_counter() - t0
 
-    compile_s = call(0)
-    start = time.perf_counter()
-    for i in range(1, 11):  # warm: at most 10 calls, a quarter of the budget
-        call(i)
-        if time.perf_counter() - start > seconds / 4:
-            break
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 5 or time.perf_counter() - start < seconds:
-        times.append(call(len(times)))
-    us = np.asarray(times) * 1e6
+    def call_recording(i: int) -> float:
+        g = i % num_groups
+        t0 = time.perf_counter()
+        output, step_states[g], buffers[g] = act_recording(leaves, step_states[g],
+                                                           env_step, buffers[g])
+        if copies_early:
+            start_host_copies(output.action)
+        fetch_polling(output.action, DEFAULT_ACTION_POLL_S)
+        return time.perf_counter() - t0
+
+    def timed(call: Callable[[int], float], seconds: float) -> tuple[float, np.ndarray]:
+        compile_s = call(0)
+        start = time.perf_counter()
+        for i in range(1, 11):  # warm: at most 10 calls, a quarter of the budget
+            call(i)
+            if time.perf_counter() - start > seconds / 4:
+                break
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < 5 or time.perf_counter() - start < seconds:
+            times.append(call(len(times)))
+        return compile_s, np.asarray(times)
+
+    compile_s, times = timed(call, seconds)
+    _, recording = timed(call_recording, seconds / 2)
+    us = times * 1e6
     return {"envs": num_envs, "calls": len(times), "first_call_s": round(compile_s, 2),
             "median_us": round(float(np.median(us)), 1),
             "p90_us": round(float(np.percentile(us, 90)), 1),
             # Calls back to back, each waiting for its action.
-            "steps_per_second": round(num_envs * len(times) / float(np.sum(times)), 1)}
+            "steps_per_second": round(num_envs * len(times) / float(np.sum(times)), 1),
+            "record_on_device_median_us": round(float(np.median(recording)) * 1e6, 1)}
 
 
 def acting_latency(args: argparse.Namespace) -> dict[str, Any]:
@@ -481,15 +539,18 @@ def _latency_rows(rec: dict[str, Any], on_accelerator: bool) -> list[str]:
     rows = ["acting call latency (one group's envs, groups in turn: "
             f"{rec['num_groups']}; host -> device -> action on host)",
             f"  {'network':<11} {'envs':>5} {'median us':>10} {'p90 us':>10} "
-            f"{'env steps/s':>12}  target"]
+            f"{'env steps/s':>12} {'recording':>10}  target"]
     for p in rec["points"]:
         target = LATENCY_TARGET_US[p["network"]]
         check = ""
         if p["envs"] == LATENCY_TARGET_ENVS:
             check = (f"<= {target:,.0f} us: "
                      f"{_verdict(p['median_us'] <= target, on_accelerator)}")
+        recording = p.get("record_on_device_median_us")
+        recording = "" if recording is None else f"{recording:,.1f}"
         rows.append(f"  {p['network']:<11} {p['envs']:>5} {p['median_us']:>10,.1f} "
-                    f"{p['p90_us']:>10,.1f} {p['steps_per_second']:>12,.0f}  {check}")
+                    f"{p['p90_us']:>10,.1f} {p['steps_per_second']:>12,.0f} "
+                    f"{recording:>10}  {check}")
     rows += [f"  {net}: skipped ({why})" for net, why in rec.get("skipped_networks", {}).items()]
     return rows
 

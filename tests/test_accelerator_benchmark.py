@@ -55,6 +55,7 @@ def test_smoke_latency_per_network_and_envs_per_call(smoke):
         assert p["calls"] >= 5
         assert 0 < p["median_us"] <= p["p90_us"]
         assert p["steps_per_second"] > 0 and p["first_call_s"] > 0
+        assert p["record_on_device_median_us"] > 0
 
 
 def test_smoke_acting_only_beside_its_bounds(smoke):
@@ -194,3 +195,39 @@ def test_a_failing_stage_is_reported_and_the_others_run(monkeypatch, capsys):
     assert stages["acting_latency"]["error"] == "RuntimeError: a stage broke"
     assert "error" not in stages["acting_only"]
     assert "acting_latency: error: RuntimeError: a stage broke" in out
+
+
+def test_the_recording_acting_call_writes_each_step_at_its_cursor():
+    """The latency stage's "recording" figure times a call that really records: each
+    step's env step and action land at the buffer's cursor, which wraps."""
+    import jax
+    import numpy as np
+
+    import sebulba
+    from agents.spg import SPG, SPGConfig
+    from sebulba.envs import example_env_step
+    from sebulba.runtime.inferencer import ActingFunctions
+
+    agent = SPG(sebulba.env_spec("CartPole-v1"), SPGConfig(hidden_sizes=(8,)))
+    nets = agent.new_networks(jax.random.key(0))
+    acting = ActingFunctions(agent, steps_per_cycle=1)
+    leaves = acting.networks(nets)
+    device = jax.local_devices()[0]
+    state = acting.new_state(agent.new_step_state(nets, jax.random.key(1), 3), device,
+                             snapshots=False).step_state
+    act, new_buffer = accelerator._recording_act(acting, example_env_step(agent.env_spec, 3),
+                                                 2)
+    rng = np.random.default_rng(0)
+    steps = [example_env_step(agent.env_spec, 3)._replace(
+        obs=rng.standard_normal((3, 4)).astype(np.float32)) for _ in range(3)]
+    buffer = new_buffer(leaves, state, steps[0])
+    actions = []
+    for env_step in steps:
+        output, state, buffer = act(leaves, state, env_step, buffer)
+        actions.append(np.asarray(output.action))
+    cursor, env_steps, outputs = buffer
+    assert int(cursor) == 1  # 3 steps into a buffer of 2: wrapped once
+    np.testing.assert_array_equal(np.asarray(env_steps.obs)[:, 0], steps[2].obs)
+    np.testing.assert_array_equal(np.asarray(env_steps.obs)[:, 1], steps[1].obs)
+    np.testing.assert_array_equal(np.asarray(outputs[0])[:, 0], actions[2])
+    np.testing.assert_array_equal(np.asarray(outputs[0])[:, 1], actions[1])
