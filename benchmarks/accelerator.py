@@ -12,7 +12,9 @@ Stages (`--stages` picks some):
   calls after a warm-up, for each of `--envs_per_call`; PPO's MLP (CartPole-v1) and its
   Nature CNN (EnvPool Breakout-v5 frames, 4 x 84 x 84 uint8). Beside it ("recording"),
   the median of the same call writing the step into a device buffer as well: what
-  assembling the trajectory on the device rather than in host memory would cost a call.
+  assembling the trajectory on the device rather than in host memory would cost a call;
+  and ("inputs in") of the call on observations already on the device: the round trip
+  without their transfer.
 - acting_only: the 5x200 SPG acting benchmark (`benchmarks/acting_spg.py`: CartPole-v1,
   sync envs, acting only) beside its bounds, env-only and inference-only.
 - breakout_ppo, breakout_impala: training on EnvPool Breakout-v5 with the Nature CNN, the
@@ -250,7 +252,9 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
 
     Then the same with the step also written into a device buffer of RECORD_STEPS steps
     per group (`record_on_device_median_us`): what assembling the trajectory on the
-    device instead of in host memory would add to each acting call."""
+    device instead of in host memory would add to each acting call; and the same on an
+    env step already on the device (`inputs_on_device_median_us`): the round trip less
+    the observations' transfer (five arrays, each its own copy)."""
     import jax
     import numpy as np
 
@@ -280,8 +284,9 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
 
     act_recording, new_buffer = _recording_act(acting, env_step, RECORD_STEPS)
     buffers = [new_buffer(leaves, s, env_step) for s in step_states]
+    env_step_on_device = jax.device_put(env_step, device)
 
-    def call(i: int) -> float:
+    def call(i: int, env_step=env_step) -> float:
         g = i % num_groups
         t0 = time.perf_counter()
         output, step_states[g] = acting.act_all(leaves, step_states[g], env_step)
@@ -314,14 +319,18 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
         return compile_s, np.asarray(times)
 
     compile_s, times = timed(call, seconds)
-    _, recording = timed(call_recording, seconds / 2)
+    _, recording = timed(call_recording, seconds / 4)
+    _, resident = timed(lambda i: call(i, env_step_on_device), seconds / 4)
     us = times * 1e6
     return {"envs": num_envs, "calls": len(times), "first_call_s": round(compile_s, 2),
             "median_us": round(float(np.median(us)), 1),
             "p90_us": round(float(np.percentile(us, 90)), 1),
             # Calls back to back, each waiting for its action.
             "steps_per_second": round(num_envs * len(times) / float(np.sum(times)), 1),
-            "record_on_device_median_us": round(float(np.median(recording)) * 1e6, 1)}
+            "record_on_device_median_us": round(float(np.median(recording)) * 1e6, 1),
+            # The same call on an env step already on the device: the round trip without
+            # the observations' transfer, which this one's difference to median_us is.
+            "inputs_on_device_median_us": round(float(np.median(resident)) * 1e6, 1)}
 
 
 def acting_latency(args: argparse.Namespace) -> dict[str, Any]:
@@ -539,18 +548,19 @@ def _latency_rows(rec: dict[str, Any], on_accelerator: bool) -> list[str]:
     rows = ["acting call latency (one group's envs, groups in turn: "
             f"{rec['num_groups']}; host -> device -> action on host)",
             f"  {'network':<11} {'envs':>5} {'median us':>10} {'p90 us':>10} "
-            f"{'env steps/s':>12} {'recording':>10}  target"]
+            f"{'env steps/s':>12} {'recording':>10} {'inputs in':>10}  target"]
     for p in rec["points"]:
         target = LATENCY_TARGET_US[p["network"]]
         check = ""
         if p["envs"] == LATENCY_TARGET_ENVS:
             check = (f"<= {target:,.0f} us: "
                      f"{_verdict(p['median_us'] <= target, on_accelerator)}")
-        recording = p.get("record_on_device_median_us")
-        recording = "" if recording is None else f"{recording:,.1f}"
+        recording, resident = (
+            "" if p.get(k) is None else f"{p[k]:,.1f}"
+            for k in ("record_on_device_median_us", "inputs_on_device_median_us"))
         rows.append(f"  {p['network']:<11} {p['envs']:>5} {p['median_us']:>10,.1f} "
                     f"{p['p90_us']:>10,.1f} {p['steps_per_second']:>12,.0f} "
-                    f"{recording:>10}  {check}")
+                    f"{recording:>10} {resident:>10}  {check}")
     rows += [f"  {net}: skipped ({why})" for net, why in rec.get("skipped_networks", {}).items()]
     return rows
 
