@@ -67,8 +67,9 @@ class Model:
             given_values = [np.float32(v) for r, v in rows_values if r == row]
             assert held[row] in given_values, (row, held[row], given_values)
             self.priorities[row] = held[row]
-        self.max_priority = max(self.max_priority,
-                                max(float(np.float32(v)) for _, v in rows_values))
+        # Only rows that hold an item raise it (a value for an empty row is no one's).
+        self.max_priority = max([self.max_priority, *(
+            float(np.float32(v)) for r, v in rows_values if r < self.size)])
 
     def probabilities(self) -> np.ndarray:
         """P(i) over the held rows (uniform over them if their mass is 0)."""

@@ -155,6 +155,32 @@ def test_new_items_enter_at_the_max_priority_and_priorities_update():
 
 
 @pytest.mark.timeout(120)
+def test_only_held_rows_raise_the_max_priority():
+    replay = filled([0.5, 1.0], capacity=8)
+    # Row 8 is dropped (out of range), row 5 holds no item yet: neither is anyone's.
+    replay = rp.update_priorities(replay, jnp.array([0, 8, 5]), jnp.array([2.0, 1e6, 1e5]))
+    assert float(replay.max_priority) == 2.0
+    replay = rp.insert(replay, items([7]))
+    np.testing.assert_allclose(replay.priorities[:3], [2.0, 1.0, 2.0])
+    assert_tree_consistent(replay)
+
+
+@pytest.mark.timeout(120)
+def test_negative_or_nan_priorities_count_as_zero_and_leave_the_rest_prioritized():
+    replay = filled([1.0] * 8, capacity=8)
+    replay = rp.update_priorities(replay, jnp.arange(8), jnp.array(
+        [100.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, -1e-6, jnp.nan]))
+    np.testing.assert_array_equal(replay.priorities[6:], [0.0, 0.0])
+    assert float(replay.max_priority) == 100.0 and np.isfinite(float(replay.total_mass))
+    assert_tree_consistent(replay)
+    s = rp.sample(replay, jax.random.key(0), 64, 0.5)
+    assert np.mean(np.asarray(s.indices) == 0) > 0.9  # still prioritized, not uniform
+    assert not np.isin(np.asarray(s.indices), [6, 7]).any()
+    replay = rp.insert(replay, items([9]))  # enters at a finite max priority
+    assert float(replay.priorities[0]) == 100.0
+
+
+@pytest.mark.timeout(120)
 def test_the_tree_stays_the_sum_of_its_leaves_over_random_inserts_and_updates():
     rng = np.random.default_rng(1)
     capacity = 37  # not a power of two: 64 leaves, 27 never used
@@ -170,8 +196,9 @@ def test_the_tree_stays_the_sum_of_its_leaves_over_random_inserts_and_updates():
         rows = rng.integers(0, capacity, 8)
         rows[1] = rows[0]
         values = rng.uniform(0.0, 5.0, 8).astype(np.float32)
+        held = rows < int(replay.size)
         replay = update(replay, jnp.asarray(rows, jnp.int32), jnp.asarray(values))
-        seen_max = max(seen_max, float(values.max()))
+        seen_max = max(seen_max, float(values[held].max(initial=0.0)))
         # The repeated row took one of its values (the tree checks it got the same one).
         assert float(replay.priorities[rows[0]]) in values[rows == rows[0]]
         assert_tree_consistent(replay)
@@ -235,7 +262,8 @@ def test_sampling_an_empty_replay_is_finite():
         assert np.all(np.isfinite(s.weights)) and np.all(np.isfinite(s.probabilities))
         assert np.all(np.asarray(s.items["x"]) == 0)
         np.testing.assert_array_equal(s.indices, 0)
-    np.testing.assert_allclose(rp.probabilities(empty), 1 / 8)
+    # As `sample` draws: row 0, always.
+    np.testing.assert_array_equal(rp.probabilities(empty), [1.0] + [0.0] * 7)
     # Held rows whose priorities are all 0: uniform over them, weights 1.
     zeros = filled([0.0, 0.0, 0.0], capacity=8)
     s = rp.sample(zeros, jax.random.key(1), 300, 0.6)

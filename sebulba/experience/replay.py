@@ -215,22 +215,27 @@ def insert(replay: Replay, items: PyTree, mask: jax.Array | None = None) -> Repl
 
 def update_priorities(replay: Replay, indices: jax.Array, priorities: jax.Array) -> Replay:
     """Sets the priorities [B] (>= 0) of rows `indices` [B] in [0, C) (others are dropped)
-    and raises `max_priority` to them.
+    and raises `max_priority` to those of held rows.
 
     A row given twice in one batch gets one of its values, the same in `priorities` and
     in the tree (a sampled batch's repeats come from the same networks and data, so they
-    agree). Rows not held keep mass 0 in the tree until inserted. O(B log C).
+    agree). Rows not held keep mass 0 in the tree until inserted. A negative or NaN
+    priority counts as 0 (its row is not drawn until updated again): in the tree's sums it
+    would make the total NaN, which `sample` cannot tell from an empty tree, and in
+    `max_priority` every later insert's. O(B log C).
     """
     chex.assert_rank(indices, 1)
     chex.assert_type(indices, int)
     chex.assert_shape(priorities, indices.shape)
     priorities = priorities.astype(jnp.float32)
+    priorities = jnp.where(priorities >= 0, priorities, 0.0)  # NaN >= 0 is false too
     # Out-of-range rows are dropped here as in the tree (a negative index would wrap).
     rows = jnp.where((indices >= 0) & (indices < replay.capacity), indices, replay.capacity)
     written = replay.priorities.at[rows].set(priorities, mode="drop")
     max_priority = replay.max_priority
-    if indices.shape[0]:
-        max_priority = jnp.maximum(max_priority, jnp.max(priorities))
+    if indices.shape[0]:  # only rows that hold an item: a dropped row's value is no one's
+        held = (indices >= 0) & (indices < replay.size)
+        max_priority = jnp.maximum(max_priority, jnp.max(jnp.where(held, priorities, 0.0)))
     return replay._replace(
         priorities=written,
         tree=_write_leaves(replay, rows, written, replay.size),
@@ -268,13 +273,12 @@ def probabilities(replay: Replay) -> jax.Array:
     """[C] P(i) of one `sample` draw, from the tree's leaves. O(C): for inspection.
 
     Uniform over the held rows while their total mass is 0 (as `sample` then draws), and
-    over all rows while the replay is empty.
+    all on row 0 while the replay is empty (`sample` then draws row 0, which holds zeros).
     """
     half = replay.tree.shape[0] // 2
     mass = replay.tree[half:half + replay.capacity]
     total = replay.total_mass
-    rows = jnp.arange(replay.capacity) < jnp.where(replay.size > 0, replay.size,
-                                                   replay.capacity)
+    rows = jnp.arange(replay.capacity) < jnp.maximum(replay.size, 1)
     uniform = rows / jnp.sum(rows, dtype=jnp.float32)
     return jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), uniform)
 
