@@ -169,6 +169,42 @@ def test_envpool_groups_share_the_cores_unless_told_otherwise():
 
 
 @pytest.mark.timeout(60)
+def test_seeds_past_int32_make_pools_whose_envs_differ(no_leftovers):
+    """A run's seed is any int >= 0 (a resumed run's grows with its updates); EnvPool
+    takes int32 seeds only. Past 2**31 the seed folds into its range, the envs of a pool
+    and the groups keeping distinct seeds."""
+    from sebulba.envs.envpool_source import EnvPoolGroups
+
+    for seed in (3_000_000_000, 2**31 - 2):  # the second wraps inside the first pool
+        source = EnvPoolGroups("CartPole-v1", num_groups=2, group_size=3, seed=seed)
+        try:
+            source.reset(seed=seed)
+            first = np.concatenate([source.recv()[1].obs for _ in range(2)])
+            assert len(np.unique(first, axis=0)) == 6, (seed, first)
+        finally:
+            source.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("task_id, shape", [("CartPole-v1", (2,)), ("CartPole-v1", (3, 1)),
+                                            ("Pendulum-v1", (2, 1)), ("Pendulum-v1", (3,))])
+def test_actions_of_the_wrong_shape_are_refused_by_name(task_id, shape, no_leftovers):
+    """Below EnvPool's wrapper nothing checked the actions' shape: too few rows aborted
+    the process in C++ (no traceback, no save), a missing axis passed."""
+    from sebulba.envs.envpool_source import EnvPoolGroups
+
+    source = EnvPoolGroups(task_id, num_groups=1, group_size=3, seed=0)
+    try:
+        assert source.pools[0]._raw is not None  # the direct path is the one checked
+        source.reset(seed=0)
+        ids, _, _ = source.recv()
+        with pytest.raises(ValueError, match=re.escape(f"actions of shape {shape} for 3 envs")):
+            source.send(np.zeros(shape, np.float32), ids)
+    finally:
+        source.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_pool_that_returns_its_envs_out_of_order_is_caught(no_leftovers):
     """The rows of a group are taken to be in env order, as EnvPool's synchronous pools
     return them; the output checks hold a pool to it."""

@@ -144,11 +144,21 @@ def test_bad_multiagent_envs_are_refused_before_anything_starts(env, kwargs, err
 
 
 @pytest.mark.timeout(60)
-def test_an_aec_env_is_refused_with_the_conversion_to_use():
+def test_an_aec_env_is_refused_with_the_conversion_to_use_and_closed():
     from pettingzoo.utils import parallel_to_aec
 
+    made = []
+
+    def aec():
+        env = parallel_to_aec(RoleCall())
+        closed = env.close
+        env.close = lambda: (made.append("closed"), closed())
+        made.append("made")
+        return env
+
     with pytest.raises(TypeError, match="aec_to_parallel"):
-        make_parallel_env(lambda: parallel_to_aec(RoleCall()))
+        make_parallel_env(aec)
+    assert made == ["made", "closed"]  # a refused env may hold a process: closed
 
 
 @pytest.mark.timeout(60)

@@ -89,10 +89,15 @@ def pool_spec(task_id: str, env_kwargs: Mapping[str, Any] | None = None) -> EnvS
 
 def make_pool(task_id: str, num_envs: int, batch_size: int, seed: int,
               env_kwargs: Mapping[str, Any] | None = None):
+    """An EnvPool of `num_envs` envs, env i seeded `seed + i`. EnvPool takes int32
+    seeds only, while a run's seeds are any int >= 0 (a resumed run's grow with its
+    updates): `seed` is taken modulo 2**31, as C++ then wraps `seed + i` past it
+    (the pool's envs keep distinct seeds)."""
     check_task_id(task_id)
     with _environment_kept():
         return _envpool().make(task_id, env_type="gymnasium", num_envs=num_envs,
-                               batch_size=batch_size, seed=seed, **dict(env_kwargs or {}))
+                               batch_size=batch_size, seed=seed % 2**31,
+                               **dict(env_kwargs or {}))
 
 
 def _cores() -> int:
@@ -113,6 +118,7 @@ class _Pool:
         self.observation_space = self.pool.observation_space
         self.action_space = self.pool.action_space
         self._action_dtype = self.pool.action_space.dtype
+        self._action_shape = tuple(self.pool.action_space.shape or ())
         self._to_env = action_to_env(self.pool.action_space)
         self._raw = _raw_layout(self.pool)
 
@@ -127,6 +133,13 @@ class _Pool:
 
     def send(self, actions: np.ndarray, ids32: np.ndarray) -> None:
         actions = np.asarray(self._to_env(actions), self._action_dtype)
+        # Below EnvPool's wrapper nothing checks the shape, and C++ aborts the process
+        # (no traceback, no save) on too few rows; too many or a missing axis pass.
+        if actions.shape != (len(ids32), *self._action_shape):
+            raise ValueError(
+                f"actions of shape {actions.shape} for {len(ids32)} envs; expected "
+                f"{(len(ids32), *self._action_shape)}, one action of the action space "
+                f"{self.action_space} per env")
         if self._raw is None:
             self.pool.send(actions, ids32)
         else:
@@ -296,7 +309,8 @@ _RAW_ACTION = ["env_id", "players.env_id", "action"]
 
 def _raw_layout(pool) -> tuple[int, ...] | None:
     """Where `_recv`'s list holds (env_id, obs, reward, done, trunc), for a pool whose
-    arrays `recv`/`send` only repackage: one player, one array action, one array obs.
+    arrays `recv`/`send` only repackage (and check the actions' shape, which
+    `_Pool.send` does instead): one player, one array action, one array obs.
 
     EnvPool's `recv` and `send` build dicts and optree structures around its C++
     `_recv`/`_send` (about 70 us a batch on this project's 2-core machine, the order of

@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from sebulba.envs import observations
-from sebulba.envs.base import action_to_env, check_spaces, close_all
+from sebulba.envs.base import action_to_env, check_spaces, close_all, close_quietly
 from sebulba.envs.output_checks import (
     BadEnvOutput,
     BatchCheck,
@@ -74,7 +74,11 @@ def make_parallel_env(env: str | ParallelEnvFactory,
             raise ValueError(f"env_kwargs {dict(env_kwargs)!r} given with the factory {env!r}; "
                              "bind them in the factory")
         parallel = env()
-    _check_parallel(parallel, env)
+    try:
+        _check_parallel(parallel, env)
+    except TypeError:
+        close_quietly([parallel], "the refused env")  # made, so it may hold a process
+        raise
     return parallel
 
 
