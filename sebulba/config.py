@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from sebulba.envs import registry
 from sebulba.envs.gymnasium_source import EnvFactory
@@ -200,9 +202,10 @@ class Config:
         if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                 or not 0 < timeout < math.inf):
             raise ValueError(f"shutdown_timeout_s must be finite seconds > 0, got {timeout!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0 (envs are seeded from it), got "
-                             f"{self.seed!r}")
+        if (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63) (JAX's PRNG keys and the "
+                             f"envs are seeded from it), got {self.seed!r}")
         for name in ("drop_when_full", "check_finite", "desync_episodes", "transfer_guard",
                      "lockstep", "check_env_output", "agent_ids", "eval_greedy"):
             if not isinstance(getattr(self, name), bool):
@@ -210,6 +213,10 @@ class Config:
         if not isinstance(self.env_kwargs, Mapping):
             raise ValueError(f"env_kwargs must be a mapping of keyword arguments, got "
                              f"{self.env_kwargs!r}")
+        if self.env_kwargs and callable(self.env):  # a factory is called without them
+            raise ValueError(f"env_kwargs {dict(self.env_kwargs)!r} given with the factory "
+                             f"{self.env!r}, which is called without arguments: bind them "
+                             "in the factory (functools.partial)")
         if self.async_context not in ASYNC_CONTEXTS:
             raise ValueError(f"async_context must be one of {ASYNC_CONTEXTS}, got "
                              f"{self.async_context!r}")
@@ -318,11 +325,14 @@ def _resolve(name: str, devices: Sequence[DeviceLike] | None) -> list[jax.Device
     local = jax.local_devices()
     if devices is None:
         return [local[0]]
-    if isinstance(devices, str | int) or len(devices) == 0:
-        raise ValueError(f"{name} must be a non-empty list of devices or indices, got {devices!r}")
+    if (isinstance(devices, str) or not isinstance(devices, Sequence)
+            or len(devices) == 0):
+        raise ValueError(f"{name} must be a non-empty list of devices or indices, got "
+                         f"{devices!r}")
     resolved = []
     for d in devices:
-        if isinstance(d, int) and not isinstance(d, bool):
+        if isinstance(d, numbers.Integral) and not isinstance(d, bool | np.bool_):
+            d = int(d)
             if not 0 <= d < len(local):
                 raise ValueError(
                     f"{name} has device index {d}, but this process has {len(local)} local "
@@ -334,7 +344,8 @@ def _resolve(name: str, devices: Sequence[DeviceLike] | None) -> list[jax.Device
                 raise ValueError(f"{name} has {d}, which is not one of this process's {local}")
             resolved.append(d)
         else:
-            raise TypeError(f"{name} entries must be device indices or jax.Device, got {d!r}")
+            raise ValueError(f"{name} entries must be device indices or jax.Device, got "
+                             f"{d!r}")
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"{name} lists a device twice: {resolved}")
     return resolved

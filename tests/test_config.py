@@ -33,8 +33,13 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"shutdown_timeout_s": float("nan")},
          r"shutdown_timeout_s must be finite seconds > 0, got nan"),
         ({"shutdown_timeout_s": True}, r"shutdown_timeout_s must be finite seconds > 0"),
-        ({"seed": -1}, r"seed must be an int >= 0 \(envs are seeded from it\), got -1"),
-        ({"seed": 1.5}, r"seed must be an int >= 0 .* got 1.5"),
+        ({"seed": -1}, r"seed must be an int in \[0, 2\*\*63\) \(JAX's PRNG keys and the "
+                       r"envs are seeded from it\), got -1"),
+        ({"seed": 1.5}, r"seed must be an int in \[0, 2\*\*63\) .* got 1.5"),
+        ({"seed": 2**63}, r"seed must be an int in \[0, 2\*\*63\) .* got 9223372036854775808"),
+        ({"env_kwargs": {"episode_length": 2}},
+         r"env_kwargs \{'episode_length': 2\} given with the factory .*CountingEnv.*, which "
+         r"is called without arguments"),
         ({"check_finite": 1}, r"check_finite must be a bool, got 1"),
         ({"drop_when_full": "yes"}, r"drop_when_full must be a bool, got 'yes'"),
         ({"queue_capacity": True}, r"queue_capacity must be an int >= 0, got True"),
@@ -52,6 +57,12 @@ COUNTING = functools.partial(CountingEnv, 5)
         ({"inference_devices": [7]}, r"inference_devices has device index 7, but this process "
                                      r"has 4 local devices"),
         ({"learner_devices": []}, r"learner_devices must be a non-empty list"),
+        ({"learner_devices": jax.devices()[0]},
+         r"learner_devices must be a non-empty list of devices or indices, got CpuDevice"),
+        ({"inference_devices": ["gpu"]},
+         r"inference_devices entries must be device indices or jax.Device, got 'gpu'"),
+        ({"inference_devices": [0.0]},
+         r"inference_devices entries must be device indices or jax.Device, got 0.0"),
         ({"learner_devices": [1, 1]}, r"learner_devices lists a device twice"),
         ({"vectorization": "threads"}, r"vectorization must be one of .* got 'threads'"),
         ({"queue_capacity": -1}, r"queue_capacity must be an int >= 0, got -1"),
@@ -66,6 +77,14 @@ COUNTING = functools.partial(CountingEnv, 5)
 def test_bad_config_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         sebulba.Config(**{"env": COUNTING, **kwargs})
+
+
+@pytest.mark.timeout(60)
+def test_numpy_integers_are_device_indices():
+    config = sebulba.Config(env=COUNTING, learner_devices=[np.int64(1)],
+                            inference_devices=(np.int32(0),))
+    assert config.resolved_local_learner_devices() == [jax.local_devices()[1]]
+    assert config.resolved_inference_devices() == [jax.local_devices()[0]]
 
 
 def test_videos_without_moviepy_are_refused_at_construction_naming_the_extra(
@@ -142,6 +161,24 @@ def test_bad_total_env_steps_is_rejected():
                            sebulba.Config(env=COUNTING, envs_per_group=2))
     with pytest.raises(ValueError, match="total_env_steps must be an int >= 1, got 0"):
         loop.run(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_step_state_of_another_layout_is_refused_before_anything_starts():
+    """The groups' slices of a state with too few rows were empty (an agent that
+    broadcasts acted on nothing, the run ended without an error), extra rows were left
+    out."""
+    agent = CountingAgent(sebulba.env_spec(COUNTING))
+    small = sebulba.Sebulba(agent, sebulba.Config(env=COUNTING, envs_per_group=2,
+                                                  async_factor=1))
+    big = sebulba.Sebulba(agent, sebulba.Config(env=COUNTING, envs_per_group=2,
+                                                async_factor=3))
+    for loop, state, rows in [(big, small.initial_state(), 2),
+                              (small, big.initial_state(), 6)]:
+        with pytest.raises(ValueError, match=re.escape(
+                f"state.step_state has per-env leaves of [{rows}] rows; this process's envs "
+                f"need {8 - rows}")):
+            loop.run(100, state)
 
 
 @pytest.mark.parametrize("env,message", [

@@ -62,7 +62,8 @@ def assert_usage_error(result: subprocess.CompletedProcess, message: str) -> Non
     (["--agent=nope"], "flag --agent=nope: value should be one of <impala|ppo|r2d2|sac|spg>"),
     (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     (["--envs_per_group=0"], "--envs_per_group must be an int >= 1, got 0"),
-    (["--seed=-1"], "--seed must be an int >= 0 (envs are seeded from it), got -1"),
+    (["--seed=-1"], "--seed must be an int in [0, 2**63) (JAX's PRNG keys and the envs are "
+                    "seeded from it), got -1"),
     (["--shutdown_timeout_s=nan"], "--shutdown_timeout_s must be finite seconds > 0, got nan"),
     (["--ppo_learning_rate=nan"], "--ppo_learning_rate must be a finite number > 0, got nan"),
     (["--num_processes=2", "--process_id=1"], "--num_processes and --process_id join a "

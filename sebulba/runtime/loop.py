@@ -257,7 +257,10 @@ class Sebulba:
         """
         self._check_run_args(total_env_steps, learn, progress_timeout_s, learner_updates)
         self.check_memory()
-        state = self.initial_state() if state is None else state
+        if state is None:
+            state = self.initial_state()
+        else:
+            self._check_step_state_rows(state.step_state)
         run = self._start_learner(state, local_experience, learner_updates,
                                   progress_timeout_s)
         try:
@@ -330,6 +333,20 @@ class Sebulba:
         if self.config.lockstep and not (learn and self.learner.optims_per_update > 0):
             raise ValueError("lockstep acting waits for networks that only learning "
                              "publishes: it needs learn=True and an optimizer step per update")
+
+    def _check_step_state_rows(self, step_state: PyTree) -> None:
+        """ValueError unless every per-env leaf holds a row for each of this process's
+        envs: the groups' slices of a shorter state would be empty (the agent acting on
+        nothing, or failing deep inside the learner), a longer one's rows left out."""
+        rows = self.layout.total_envs
+        wrong = sorted({jnp.shape(x)[0] for x in jax.tree.leaves(step_state)
+                        if jnp.ndim(x) > 0 and jnp.shape(x)[0] != rows})
+        if wrong:
+            raise ValueError(
+                f"state.step_state has per-env leaves of {wrong} rows; this process's envs "
+                f"need {rows} ({self.config.num_groups} env groups x {self.rows_per_group} "
+                "rows): a step state made for another layout (Sebulba.initial_state makes "
+                "one for this one)")
 
     def _start_learner(self, state: AgentState, local_experience: PyTree | None,
                        learner_updates: int, progress_timeout_s: float | None) -> _Run:
