@@ -37,7 +37,8 @@ class Config:
     Attributes:
       env: a `gymnasium.make_vec` id (`module:Id` imports the module that registers it),
         or a factory returning one gymnasium.Env; what the vectorization's source makes.
-      env_kwargs: keyword arguments for the env.
+      env_kwargs: keyword arguments for the env id's constructor (a factory takes
+        none: bind them in it).
       env_wrappers: gymnasium wrappers around each env, innermost first, by name with
         literal arguments ("FlattenObservation,FrameStackObservation(stack_size=4)"), a
         sequence of such names, or env -> env callables. Needs a vectorization that
@@ -82,7 +83,7 @@ class Config:
         before it sleeps on them: waking a thread costs tens of microseconds, polling
         holds a core and the GIL. 0 suits many inferencer threads per core. None: 0.5 ms,
         or 0 where envs step in worker processes, which need those cores.
-      seed: seeds the networks, the agent state and the envs.
+      seed: seeds the networks, the agent state and the envs; in [0, 2**63).
       desync_episodes: truncate each env's first episode at a length drawn uniformly from
         1 to the env's episode step limit, so that envs that start together do not stay
         in the same phase of their episodes. Needs a time limit (a registered
