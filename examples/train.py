@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import signal
@@ -60,7 +61,10 @@ _TOTAL_ENV_STEPS = flags.DEFINE_integer(
     "total_env_steps", 400_000, "Env steps (all envs, all processes) to learn from.")
 _LOGDIR = flags.DEFINE_string(
     "logdir", None, "Where metrics (TensorBoard events, metrics.jsonl) and checkpoints go.")
-_LOG_EVERY = flags.DEFINE_float("log_every_seconds", 5.0, "Seconds between metric writes.")
+_LOG_EVERY = flags.DEFINE_float(
+    "log_every_seconds", 5.0,
+    "Seconds between metric writes, the first this long after the first learner update "
+    "(the throughput is measured from it on); a finite number >= 0, 0: every update.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every_steps", 100_000, "Env steps between checkpoints (needs --logdir).")
@@ -114,10 +118,12 @@ _WANDB_PROJECT = flags.DEFINE_string(
     "extra); TensorBoard and metrics.jsonl (with --logdir) stay.")
 _WANDB_MODE = flags.DEFINE_enum(
     "wandb_mode", "online", ["online", "offline", "disabled"],
-    "wandb's mode: offline writes under --logdir (or ./wandb) for `wandb sync` later.")
+    "wandb's mode (needs --wandb_project): offline writes under --logdir (or ./wandb) for "
+    "`wandb sync` later.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100,
-    "Multi-process runs: a peer that stops answering for this long ends every process.")
+    "Multi-process runs (--coordinator_address or --distributed): a peer that stops "
+    "answering for this long ends every process.")
 
 # One flag per field of sebulba.Config, named as the field (--envs_per_group, ...), with
 # Config's defaults and docs.
@@ -331,6 +337,10 @@ def check_command_line(argv: list[str]) -> None:
             f"--progress_timeout_seconds must be > 0, got {_PROGRESS_TIMEOUT.value}")
     if not _GRACE.value > 0:
         raise app.UsageError(f"--preemption_grace_seconds must be > 0, got {_GRACE.value}")
+    # NaN would never write a row (no time is >= NaN), a negative value would every update.
+    if not (math.isfinite(_LOG_EVERY.value) and _LOG_EVERY.value >= 0):
+        raise app.UsageError("--log_every_seconds must be a finite number >= 0 (0: a row "
+                             f"every learner update), got {_LOG_EVERY.value}")
     for holder in (_TOTAL_ENV_STEPS, _CHECKPOINT_EVERY, _KEEP):
         if holder.value < 1:
             raise app.UsageError(f"--{holder.name} must be >= 1, got {holder.value}")
@@ -363,6 +373,16 @@ def check_flags_that_need_others() -> None:
             "--num_processes and --process_id join a multi-process run: give "
             "--coordinator_address (host:port of process 0) or --distributed too; without "
             "them this process would train alone, as if it were the whole run")
+    if flags.FLAGS[_HEARTBEAT.name].present and not (
+            _COORDINATOR.value is not None or _DISTRIBUTED.value):
+        raise ValueError(
+            f"--heartbeat_timeout_seconds={_HEARTBEAT.value} watches the peers of a "
+            "multi-process run: it needs --coordinator_address or --distributed (without "
+            "them this process trains alone and has no peers)")
+    if flags.FLAGS[_WANDB_MODE.name].present and _WANDB_PROJECT.value is None:
+        raise ValueError(f"--wandb_mode={_WANDB_MODE.value} is the mode of the Weights & "
+                         "Biases run: it needs --wandb_project (without it nothing goes to "
+                         "W&B)")
     if not _LOGDIR.value:
         for flag in (_CHECKPOINT_EVERY, _KEEP, _SAVE_EXPERIENCE):
             if flags.FLAGS[flag.name].present:
@@ -586,8 +606,16 @@ def set_aside_damaged(launch: Launch) -> None:
 
 def run_writers(launch: Launch) -> MultiWriter | None:
     """Where process 0 writes metrics: TensorBoard and metrics.jsonl in --logdir, and
-    W&B with --wandb_project (the run's metadata and flags as its config)."""
-    writers = list(default_writers(_LOGDIR.value).writers) if _LOGDIR.value else []
+    W&B with --wandb_project (the run's metadata and flags as its config).
+
+    The rows' steps are the run's consumed env steps (`Reporter.global_step`): a run that
+    starts at `launch.consumed` writes its first at launch.consumed + 1 or later, so
+    TensorBoard purges the rows from there on that an earlier run in the logdir wrote
+    (past the checkpoint resumed from: a crash, a kill, a damaged newer checkpoint), and
+    keeps the one at the checkpoint's step."""
+    writers = []
+    if _LOGDIR.value:
+        writers = default_writers(_LOGDIR.value, purge_step=launch.consumed + 1).writers
     if _WANDB_PROJECT.value is not None:
         config = {**launch.metadata, "run": {k: v if isinstance(v, int | float | str | bool)
                                              else repr(v)
@@ -657,7 +685,7 @@ def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) ->
     """Prints the summary; a run stopped by a signal exits with 128 + its number."""
     consumed = launch.consumed + result.global_consumed
     if jax.process_index() == 0:  # every process has the same networks: report once
-        print(result.summary())
+        print(run_summary(result, consumed))
         summary = {k: v for k, v in result.as_dict().items() if k != "metrics"}
         print(json_line({"total_consumed": consumed, **summary}))
     if result.stopped_early:
@@ -671,6 +699,23 @@ def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) ->
                      if launch.checkpointer.all_steps() else "; no checkpoint saved")
         print(f"stopped by {why} after {consumed:,} env steps{saved}", file=sys.stderr)
         sys.exit(preemption.exit_code or 128 + signal.SIGTERM)
+
+
+def run_summary(result: sebulba.RunResult, total_consumed: int) -> str:
+    """`result.summary()`; in a multi-process run, whose figures are process 0's own (its
+    envs, its learner), said so, after the run's: every process's consumed env steps and
+    their rate (`total_consumed`: with those before a resume)."""
+    if result.num_processes == 1:
+        return result.summary()
+    d = result.as_dict()
+    before = total_consumed - d["global_consumed"]
+    resumed = f" ({total_consumed:,} with the {before:,} before the resume)" if before else ""
+    return "\n".join([
+        f"the run, {d['num_processes']} processes: {d['global_consumed']:,} env steps "
+        f"consumed{resumed}, {d['global_consumed_steps_per_second']:,.0f} consumed env "
+        "steps/s",
+        f"process 0 of {d['num_processes']}, its own envs and learner:",
+        result.summary()])
 
 
 def main(argv: list[str]) -> None:

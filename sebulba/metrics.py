@@ -56,29 +56,67 @@ class JsonLinesWriter:
 
 
 class TensorBoardWriter:
-    """Scalars as TensorBoard event files (tensorboardX: no TensorFlow or torch needed)."""
+    """Scalars and videos as TensorBoard event files (tensorboardX: no TensorFlow or torch
+    needed).
 
-    def __init__(self, logdir: str):
-        from tensorboardX import SummaryWriter
+    A row is in the event file when `write` returns, as a JSON line is: tensorboardX's
+    `SummaryWriter` queues events for a thread of its own, and its `flush` does not wait
+    for that queue, so a hard kill (or the exit forced when the preemption grace runs out)
+    lost the newest rows. The events are written here, by the caller, through
+    tensorboardX's own event file writer.
 
-        self._writer = SummaryWriter(logdir)
+    `purge_step`: the first step this run can write (its checkpoint's step + 1; 1 for a
+    run that starts afresh). TensorBoard drops the rows of the logdir's earlier event
+    files at or past it: those an earlier run wrote past the checkpoint this one resumed
+    from (it crashed or was killed after that checkpoint, or a damaged newer checkpoint
+    was passed over), which the resumed run's rows would otherwise be drawn beside.
+    """
+
+    def __init__(self, logdir: str, purge_step: int | None = None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        os.makedirs(logdir, exist_ok=True)
+        self._events = EventsWriter(os.path.join(logdir, "events"))
+        self._closed = False
+        if purge_step is not None:
+            # What tensorboardX's SummaryWriter(purge_step=) writes: TensorBoard purges
+            # the earlier events at or past the step of a session's START.
+            now = time.time()
+            self._events.write_event(Event(wall_time=now, step=int(purge_step),
+                                           file_version="brain.Event:2"))
+            self._events.write_event(Event(wall_time=now, step=int(purge_step),
+                                           session_log=SessionLog(status=SessionLog.START)))
+        self._events.flush()
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
-        for name, value in scalars.items():
-            self._writer.add_scalar(name, value, global_step=int(step))
-        self._writer.flush()
+        from tensorboardX.summary import scalar
+
+        values = [value for name, v in scalars.items() for value in scalar(name, v).value]
+        self._write(step, values)
 
     def write_video(self, step: int, tag: str, frames: np.ndarray, fps: int) -> None:
+        from tensorboardX.summary import video
+
         # TensorBoard keeps videos as GIFs in its event file: frames are halved in size
         # until at most 256 pixels wide, so that an episode stays a few MB.
         stride = max(1, int(np.ceil(frames.shape[2] / 256)))
         small = frames[:, ::stride, ::stride]
-        self._writer.add_video(tag, small.transpose(0, 3, 1, 2)[None], global_step=int(step),
-                               fps=fps)
-        self._writer.flush()
+        self._write(step, video(tag, small.transpose(0, 3, 1, 2)[None], fps).value)
+
+    def _write(self, step: int, values: Sequence[Any]) -> None:
+        """One event of `values` at `step`, in the file (the OS's) on return."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self._events.write_event(Event(wall_time=time.time(), step=int(step),
+                                       summary=Summary(value=values)))
+        self._events.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if not self._closed:  # as SummaryWriter's: a second close does nothing
+            self._closed = True
+            self._events.close()
 
 
 class WandbWriter:
@@ -152,9 +190,10 @@ def _call_each(calls: Iterable[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def default_writers(logdir: str) -> MultiWriter:
-    """TensorBoard events and `metrics.jsonl` in `logdir`."""
-    return MultiWriter([TensorBoardWriter(logdir),
+def default_writers(logdir: str, purge_step: int | None = None) -> MultiWriter:
+    """TensorBoard events and `metrics.jsonl` in `logdir` (`purge_step`: see
+    `TensorBoardWriter`; plot.py drops the superseded JSON lines itself)."""
+    return MultiWriter([TensorBoardWriter(logdir, purge_step),
                         JsonLinesWriter(os.path.join(logdir, "metrics.jsonl"))])
 
 
@@ -192,6 +231,10 @@ class Reporter:
     """An `on_update` callback: writes metrics every `every_seconds`, drives a tqdm bar.
 
     Steps are global env steps consumed (`step_offset` adds those of a resumed run).
+    The rows' windows start at the first update seen, not at construction: the time
+    before it (envs starting, compilation) would make the first row's throughput a
+    fraction of the run's. A row of no window (the first update's, with every_seconds=0,
+    or `finish` after one update) has no throughput.
     `finish` writes the last row (the final window would otherwise be lost) and the
     evaluations that came after the last update; `close` waits for the videos.
     """
@@ -211,8 +254,10 @@ class Reporter:
         self.every_seconds = every_seconds
         self.step_offset = step_offset
         self.num_processes = num_processes
-        self._last_write = time.monotonic()
-        self._last_steps = step_offset
+        # (time, step) the current row's window started at: the last row's, or the first
+        # update's until then; None before any update.
+        self._window: tuple[float, int] | None = None
+        self._last_row_step: int | None = None
         self._episodes_seen = 0
         self._team_episodes_seen = 0
         # The last update seen: `finish` writes its row unless a row of its step was.
@@ -244,7 +289,9 @@ class Reporter:
         update = self._last_update = _Update(
             step, info.version, info.metrics, info.accounting, time.monotonic(),
             self._bound(info.accounting.stage_seconds))
-        if update.at - self._last_write >= self.every_seconds:
+        if self._window is None:
+            self._window = (update.at, step)
+        if update.at - self._window[0] >= self.every_seconds:
             self._write_row(update)
 
     def _write_row(self, update: _Update) -> None:
@@ -255,10 +302,13 @@ class Reporter:
         teams, self._team_episodes_seen = update.accounting.team_episodes_since(
             self._team_episodes_seen)
         recent = [r for _, r, _ in episodes]
-        sps = (step - self._last_steps) / max(now - self._last_write, 1e-9)
-        self._last_write, self._last_steps = now, step
+        start, start_step = self._window
+        seconds = now - start
+        sps = (step - start_step) / seconds if seconds > 0 else None  # None: no window
+        self._window, self._last_row_step = (now, step), step
         scalars = {f"learner/{k}": v for k, v in update.metrics.items()}
-        scalars["throughput/consumed_steps_per_second"] = sps
+        if sps is not None:
+            scalars["throughput/consumed_steps_per_second"] = sps
         scalars["learner/version"] = update.version
         if recent:
             scalars["episode/return"] = float(np.mean(recent))
@@ -267,7 +317,7 @@ class Reporter:
             scalars["episode/team_return"] = float(np.mean([r for _, r, _ in teams]))
             scalars["episode/team_count"] = len(teams)
         if self._bar is not None:
-            postfix = {"sps": f"{sps:,.0f}"}
+            postfix = {} if sps is None else {"sps": f"{sps:,.0f}"}
             if recent:
                 # Significant digits: one decimal is useless for returns in [-1, 1].
                 postfix["return"] = f"{np.mean(recent):.4g}"
@@ -288,8 +338,7 @@ class Reporter:
         call; they are dropped from `evaluations` (a list) once handed to the writers, so
         that the result keeps figures, not hundreds of MB.
         """
-        # (`_last_steps` is the step of the last row: an update always consumes steps)
-        if self._last_update is not None and self._last_update.step != self._last_steps:
+        if self._last_update is not None and self._last_update.step != self._last_row_step:
             self._write_row(self._last_update)  # not a second row of one step
         for i in range(self._evaluations_written, len(evaluations)):
             self._write_evaluation(evaluations[i])

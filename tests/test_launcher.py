@@ -12,6 +12,8 @@ import sysconfig
 
 import pytest
 
+from tests.test_metrics import read_tensorboard_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--envs_per_group=8", "--steps_per_cycle=8", "--progress=false", "--log_every_seconds=0"]
 
@@ -25,6 +27,27 @@ def run(module: str, *args: str, timeout: float = 180) -> subprocess.CompletedPr
 
 def last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_a_multi_process_summary_says_whose_figures_it_shows_and_gives_the_runs():
+    from examples.train import run_summary
+    from sebulba.runtime.accounting import RunResult
+
+    def result(num_processes: int) -> RunResult:
+        return RunResult(env_steps=1100, consumed=1000, dropped=0, in_flight=100,
+                         wall_seconds=2.0, episodes=[], policy_lags=[], stage_seconds={},
+                         learner_updates=10, metrics={}, num_processes=num_processes)
+
+    alone = result(1)
+    assert run_summary(alone, 1000) == alone.summary()
+    # Process 0's figures (1,100 env steps of its own envs at 550/s) are not the run's.
+    lines = run_summary(result(2), 2000 + 500).splitlines()
+    assert lines[:2] == [
+        "the run, 2 processes: 2,000 env steps consumed (2,500 with the 500 before the "
+        "resume), 1,000 consumed env steps/s",
+        "process 0 of 2, its own envs and learner:"]
+    assert "\n".join(lines[2:]) == result(2).summary()
+    assert "before the resume" not in run_summary(result(2), 2000)  # not resumed
 
 
 @pytest.mark.timeout(400)
@@ -58,6 +81,12 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     total = last_json(second.stdout)["total_consumed"]
     assert 6000 <= total < 6000 + 8 * 8 * 2
     assert last_json(second.stdout)["consumed"] == total - done
+    # Its TensorBoard file purges the first run's rows past the checkpoint (none here: it
+    # ended there, but a crashed or killed one would have written past it); the first
+    # run's, those of any run before it in the logdir (one that crashed unsaved).
+    first_events, second_events = read_tensorboard_files(logdir)
+    assert [e.step for e in first_events if e.HasField("session_log")] == [1]
+    assert [e.step for e in second_events if e.HasField("session_log")] == [done + 1]
 
     third = run("examples.train", f"--logdir={logdir}", "--resume", "--total_env_steps=6000",
                 *SMALL)
@@ -86,6 +115,17 @@ def test_train_logs_checkpoints_resumes_and_evaluates(tmp_path):
     ("--agent=nope", "value should be one of"),
     ("--eval_video", "--eval_video needs --logdir"),
     ("--eval_every_updates=-2", "--eval_every_updates must be an int >= 0"),
+    # NaN would never write a row, a negative number every update
+    ("--log_every_seconds=nan", "--log_every_seconds must be a finite number >= 0 (0: a "
+                                "row every learner update), got nan"),
+    ("--log_every_seconds=-1", "--log_every_seconds must be a finite number >= 0"),
+    ("--log_every_seconds=inf", "--log_every_seconds must be a finite number >= 0"),
+    # flags that would do nothing without another
+    ("--heartbeat_timeout_seconds=30", "--heartbeat_timeout_seconds=30 watches the peers of "
+                                       "a multi-process run: it needs --coordinator_address "
+                                       "or --distributed"),
+    ("--wandb_mode=offline", "--wandb_mode=offline is the mode of the Weights & Biases run: "
+                             "it needs --wandb_project"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_flag_is_a_clear_error_before_anything_starts(flag, message):

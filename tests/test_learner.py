@@ -17,7 +17,8 @@ import pytest
 from jax._src import dispatch
 
 import sebulba
-from sebulba.runtime import sharding, transfers
+from sebulba.runtime import learner, sharding, transfers
+from sebulba.runtime.preemption import StopEvent
 from tests.counting_agent import CountingAgent, CountingStepState
 from tests.envs import CountingEnv, HangingEnv
 
@@ -359,3 +360,51 @@ def test_a_learner_that_fails_to_start_leaves_no_watchdog_behind(monkeypatch, no
     monkeypatch.setattr(loop.learner, "start", fail)
     with pytest.raises(RuntimeError, match="the learner could not start"):
         loop.run(64)
+
+
+class CompilesSlowly(CountingAgent):
+    """`steps` optimizer steps of `step_s` per update, but the run's first takes `first_s`
+    (as the XLA compilation of a run's first update does) and, as it starts, sets `stop`
+    with `deadline_s` to its deadline: a SIGTERM that comes during the compilation."""
+
+    def __init__(self, env_spec, steps: int, step_s: float, first_s: float,
+                 stop: StopEvent, deadline_s: float):
+        super().__init__(env_spec)
+        self.steps, self.step_s, self.first_s = steps, step_s, first_s
+        self.stop, self.deadline_s, self.calls = stop, deadline_s, 0
+
+    def num_off_policy_optims_per_cycle(self) -> int:
+        return self.steps
+
+    def loss(self, nets, opt, experience):
+        def sleep(w):
+            self.calls += 1
+            if self.calls == 1:
+                self.stop.deadline = time.monotonic() + self.deadline_s
+                self.stop.set()
+            time.sleep(self.first_s if self.calls == 1 else self.step_s)
+            return w
+
+        slept = jax.pure_callback(sleep, jax.ShapeDtypeStruct((), jnp.float32),
+                                  jax.lax.stop_gradient(nets["w"]))
+        return jnp.square(nets["w"]) + 0.0 * slept, (experience, {"w": slept})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("deadline_s,cut", [(3.0, False), (0.5, True)])
+def test_a_stop_during_the_first_update_cuts_it_only_if_it_would_not_end_in_time(
+        deadline_s, cut, no_leftovers):
+    # 20 steps: a 1 s "compilation", then 19 x 0.02 s. With 3 s to the deadline the update
+    # ends 2.6 s early: averaged with the compilation its steps looked 1 s each, and it was
+    # cut. With 0.5 s the compilation alone runs past the deadline: cut at its end.
+    steps, stop = 20, StopEvent()
+    agent = CompilesSlowly(sebulba.env_spec(COUNTING), steps, 0.02, 1.0, stop, deadline_s)
+    cfg = sebulba.Config(env=COUNTING, envs_per_group=2, steps_per_cycle=8, async_factor=1,
+                         shutdown_timeout_s=5.0)
+    result = sebulba.Sebulba(agent, cfg).run(10**9, stop=stop)
+    assert result.stopped_early and result.learner_updates == 1
+    if cut:  # the steps queued behind the first ran
+        assert result.optimizer_steps == learner.MAX_QUEUED_STEPS, result.optimizer_steps
+        assert result.optimizer_steps_cut == steps - learner.MAX_QUEUED_STEPS
+    else:
+        assert result.optimizer_steps_cut == 0 and result.optimizer_steps == steps

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
+from tensorboardX.proto.event_pb2 import SessionLog
 
 import sebulba
 from sebulba.metrics import JsonLinesWriter, Reporter, default_writers
@@ -20,9 +21,11 @@ from tests.counting_agent import CountingAgent
 from tests.envs import CountingEnv
 
 
-def read_tensorboard_events(logdir) -> Iterator[event_pb2.Event]:
-    """Parses TFRecord-framed Event protos (length, crc, data, crc) from the event files."""
-    for path in glob.glob(f"{logdir}/events.out.tfevents.*"):
+def read_tensorboard_events(logdir, name: str = "events.out.tfevents.*"
+                            ) -> Iterator[event_pb2.Event]:
+    """Parses TFRecord-framed Event protos (length, crc, data, crc) from the event files
+    (those matching `name`)."""
+    for path in glob.glob(f"{logdir}/{name}"):
         with open(path, "rb") as f:
             data = f.read()
         offset = 0
@@ -58,6 +61,102 @@ def test_writers_record_every_scalar(tmp_path):
     assert read_tensorboard_scalars(tmp_path)["a"] == [(10, 1.5), (20, 2.5)]
 
 
+def read_tensorboard_files(logdir) -> list[list[event_pb2.Event]]:
+    """The events of each event file, the files in TensorBoard's order (by name: their
+    creation time)."""
+    return [list(read_tensorboard_events(os.path.dirname(path), os.path.basename(path)))
+            for path in sorted(glob.glob(f"{logdir}/events.out.tfevents.*"))]
+
+
+def purged_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """The scalars as TensorBoard shows them: a session START at step s drops the events
+    read before it at step s or past it (its event accumulator's purge)."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for events in read_tensorboard_files(logdir):
+        for event in events:
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                scalars = {tag: [(s, v) for s, v in rows if s < event.step]
+                           for tag, rows in scalars.items()}
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_runs_writer_purges_the_rows_the_earlier_run_wrote_past_its_step(tmp_path):
+    from sebulba.metrics import TensorBoardWriter
+
+    crashed = TensorBoardWriter(str(tmp_path))
+    for step in (10, 20, 30, 40):  # checkpointed at 20, then killed after 40
+        crashed.write(step, {"a": float(step)})
+    crashed.close()
+    time.sleep(1.1)  # event files are named by the second they were made in
+    resumed = TensorBoardWriter(str(tmp_path), purge_step=21)  # resumed at 20
+    for step in (25, 35):
+        resumed.write(step, {"a": -float(step)})
+    resumed.close()
+    old, new = read_tensorboard_files(tmp_path)
+    assert [e.step for e in new if e.HasField("session_log")
+            and e.session_log.status == SessionLog.START] == [21]
+    # What TensorBoard draws: the crashed run up to its checkpoint, then the resumed one.
+    assert purged_scalars(tmp_path)["a"] == [(10, 10.0), (20, 20.0), (25, -25.0),
+                                             (35, -35.0)]
+
+
+@pytest.mark.timeout(60)
+def test_a_tensorboard_row_is_in_its_event_file_once_written(tmp_path):
+    """As the JSON line is: a hard kill (or the forced exit after the preemption grace)
+    right after a write must not lose the row, so it must not wait in a queue for a
+    thread to write it."""
+    writer = default_writers(str(tmp_path))  # the launcher's sinks
+    try:
+        for step in range(1, 6):
+            writer.write(step * 64, {"a": float(step), "b": 2.0 * step})
+            # read back without closing, after every row (the file as a kill leaves it)
+            scalars = read_tensorboard_scalars(tmp_path)
+            assert scalars.get("a", [])[-1:] == [(step * 64, float(step))], scalars
+            assert scalars.get("b", [])[-1:] == [(step * 64, 2.0 * step)], scalars
+    finally:
+        writer.close()
+
+
+def test_the_first_row_of_a_run_has_the_throughput_from_its_first_update_on(monkeypatch):
+    """Not from the reporter's making: the envs' start and the compilation before the
+    first update would make the first row's throughput a fraction of the run's."""
+    import types
+
+    from sebulba import metrics
+    from sebulba.runtime.accounting import Accounting
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], time=time.time))
+    rows = []
+    sink = types.SimpleNamespace(write=lambda step, scalars: rows.append((step, scalars)),
+                                 close=lambda: None)
+
+    def run(every_seconds: float) -> list[tuple[int, dict]]:
+        rows.clear()
+        accounting = Accounting()
+        reporter = Reporter(10**6, sink, every_seconds=every_seconds, progress=True,
+                            step_offset=5000)
+        clock[0] += 60.0  # envs, compilation: then the first update
+        for _ in range(4):  # an update of 1000 steps every second
+            accounting.consumed += 1000
+            reporter(types.SimpleNamespace(accounting=accounting, metrics={}, version=1,
+                                           evaluations=()))
+            clock[0] += 1.0
+        reporter.finish([])
+        reporter.close()
+        return [(step, s.get("throughput/consumed_steps_per_second")) for step, s in rows]
+
+    # A row per update: the first has no window, so no throughput (and the bar no sps).
+    assert run(0.0) == [(6000, None), (7000, 1000.0), (8000, 1000.0), (9000, 1000.0)]
+    # A row per 2 s: the first 2 s after the first update, not at it (60 s after the
+    # start); finish writes the last update's.
+    assert run(2.0) == [(8000, 1000.0), (9000, 1000.0)]
+
+
 @pytest.mark.timeout(120)
 def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
     env = functools.partial(CountingEnv, 5)
@@ -73,7 +172,9 @@ def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
     assert [r["step"] for r in rows] == [1000 + 12 * (i + 1) for i in range(30)]
     assert [r["learner/version"] for r in rows] == list(range(1, 31))
     assert any(r.get("episode/return") == 5.0 for r in rows)
-    assert all(r["throughput/consumed_steps_per_second"] > 0 for r in rows)
+    # the first row, at the first update, has no window to measure
+    assert "throughput/consumed_steps_per_second" not in rows[0]
+    assert all(r["throughput/consumed_steps_per_second"] > 0 for r in rows[1:])
 
 
 @pytest.mark.timeout(60)

@@ -262,9 +262,10 @@ class Learner:
         QueueItem is one item): join, update_experience, optimizer steps, publish.
 
         `cut(seconds)`, asked between optimizer steps with the time the remaining steps
-        would take, ends the update there when true (a stop with a deadline). The update
-        still counts, with fewer optimizer steps (`steps_cut` counts those left out): its
-        state is as consistent as a full update's. Only for single-process runs, where no
+        would take (estimated without the first step's: see `_optimizer_steps`), ends the
+        update there when true (a stop with a deadline). The update still counts, with
+        fewer optimizer steps (`steps_cut` counts those left out): its state is as
+        consistent as a full update's. Only for single-process runs, where no
         other process waits in the left-out steps' collectives.
         """
         if isinstance(items, QueueItem):
@@ -308,13 +309,28 @@ class Learner:
     def _optimizer_steps(self, cut: Callable[[float], bool] | None
                          ) -> tuple[Metrics | None, int]:
         """Runs the update's optimizer steps, with at most MAX_QUEUED_STEPS queued on the
-        devices (or fewer: see `update`'s `cut`); the last step's metrics and the steps run."""
+        devices (or fewer: see `update`'s `cut`); the last step's metrics and the steps run.
+
+        The remaining steps' time given to `cut` is estimated from the steps that ended
+        after the first one: the first step of a run's first update (after a start or a
+        resume) holds the XLA compilation, seconds for steps of milliseconds, and
+        averaged in it made every remaining step look that slow, cutting an update that
+        would have ended well within the deadline. Until a second step has ended there is
+        no estimate, and `cut` is asked with 0 s: the update is cut then only if its
+        deadline has passed already (a compilation slow enough to use up the time), never
+        on a guess. A stop is for a grace period: an update that ends in time must not
+        lose steps, and one that would not is cut at the next step once measured.
+        """
         planned, queued = self.optims_per_update, collections.deque()
-        metrics, dispatched, done, start = None, 0, 0, time.perf_counter()
+        metrics, dispatched, done = None, 0, 0
+        first_done: tuple[float, int] | None = None  # (when, steps done) at the first end
         while dispatched < planned:
-            if cut is not None and done and cut(
-                    (time.perf_counter() - start) / done * (planned - done)):
-                break
+            if cut is not None and first_done is not None:
+                since, done_then = first_done
+                remaining_s = ((time.perf_counter() - since) / (done - done_then)
+                               * (planned - done) if done > done_then else 0.0)
+                if cut(remaining_s):
+                    break
             self.nets, self.opt, self.experience, metrics = self._optimize(
                 self.nets, self.opt, self.experience)
             dispatched += 1
@@ -322,6 +338,8 @@ class Learner:
             if len(queued) == MAX_QUEUED_STEPS and dispatched < planned:
                 jax.block_until_ready(queued.popleft())
                 done = dispatched - len(queued)
+                if first_done is None:
+                    first_done = (time.perf_counter(), done)
         return metrics, dispatched
 
     def device_busy(self) -> bool:
