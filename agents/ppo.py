@@ -106,7 +106,9 @@ class PPOConfig(policy.ActorCriticOptions):
         checks.ints(self, "num_epochs", "num_minibatches", "bptt_horizon", "num_segments",
                     "prio_beta_anneal_updates", low=0)
         checks.reals(self, "discount", "gae_lambda", "prio_beta0", low=0.0, high=1.0)
-        checks.reals(self, "prio_alpha", low=0.0)
+        checks.sizes(self, "hidden_sizes")
+        checks.reals(self, "prio_alpha", low=0.0, high=sys.float_info.max,
+                     expected="a finite number >= 0")
         checks.reals(self, "clip_epsilon", low=0.0, open_low=True)
         checks.reals(self, "learning_rate", "adam_eps", "max_grad_norm", low=0.0,
                      high=sys.float_info.max, open_low=True, expected="a finite number > 0")

@@ -10,6 +10,7 @@ loss.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -31,7 +32,12 @@ class SPGConfig:
       learning_rate: Adam step size.
       discount: per-step discount of the returns.
       value_cost: weight of the baseline's squared error in the loss.
-      entropy_cost: weight of the policy's entropy bonus in the loss.
+      entropy_cost: weight of a categorical policy's entropy bonus in the loss (Discrete
+        and MultiDiscrete actions).
+      gaussian_entropy_cost: the same for a Gaussian policy (Box actions), 0 by default:
+        a Gaussian's entropy grows without bound with its std, and at a small reward
+        scale the bonus alone drives every log-std to its bound
+        (`agents.common.policy.ActorCriticOptions`).
       max_grad_norm: gradients are clipped to this global norm before Adam.
       lstm_size: units of an LSTM core after a tanh torso of `hidden_sizes`; 0: none
         (feed-forward, separate policy and baseline MLPs).
@@ -42,15 +48,18 @@ class SPGConfig:
     discount: float = 0.99
     value_cost: float = 0.5
     entropy_cost: float = 0.01
+    gaussian_entropy_cost: float = 0.0
     max_grad_norm: float = 0.5
     lstm_size: int = 0
 
     def __post_init__(self):
         checks.sizes(self, "hidden_sizes")
         checks.ints(self, "lstm_size", low=0, expected="an int >= 1 (or 0: no LSTM)")
-        checks.reals(self, "learning_rate", "max_grad_norm", low=0.0, open_low=True)
+        checks.reals(self, "learning_rate", "max_grad_norm", low=0.0, open_low=True,
+                     high=sys.float_info.max, expected="a finite number > 0")
         checks.reals(self, "discount", low=0.0, high=1.0)
-        checks.reals(self, "value_cost", "entropy_cost", low=0.0)
+        checks.reals(self, "value_cost", "entropy_cost", "gaussian_entropy_cost", low=0.0,
+                     high=sys.float_info.max, expected="a finite number >= 0")
 
 
 class SPG(policy.ActorCriticActing, sebulba.Agent):
@@ -60,6 +69,7 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
     def __init__(self, env_spec: sebulba.EnvSpec, config: SPGConfig = SPGConfig()):
         super().__init__(env_spec)
         self.config = config
+        self.entropy_cost = policy.entropy_cost(config, env_spec.action_space)
         # Separate tanh MLPs for policy and baseline: on CartPole-v1 a shared ReLU torso
         # learns slowly and can collapse to a deterministic policy, and separate ReLU
         # MLPs swing widely.
@@ -113,7 +123,7 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
         pg_loss = -masked_mean(chosen * jax.lax.stop_gradient(advantage))
         value_loss = 0.5 * masked_mean(advantage**2)
         entropy_mean = masked_mean(entropy)
-        loss = pg_loss + cfg.value_cost * value_loss - cfg.entropy_cost * entropy_mean
+        loss = pg_loss + cfg.value_cost * value_loss - self.entropy_cost * entropy_mean
         metrics = {"pg_loss": pg_loss, "value_loss": value_loss, "entropy": entropy_mean}
         return loss, (experience, metrics)
 

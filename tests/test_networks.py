@@ -181,3 +181,48 @@ def test_sac_acts_on_its_observations_and_refuses_what_its_mlps_cannot_read():
         with pytest.raises(ValueError, match="SAC's networks are MLPs on vector observations"):
             AGENTS["sac"].build(sebulba.EnvSpec(SPECS[kind].observation_space, box),
                                 AGENTS["sac"].config_class())
+
+
+@pytest.mark.timeout(60)
+def test_a_log_std_past_its_bound_can_be_brought_back_by_the_loss():
+    """The log-std is clipped to [min_log_std, max_log_std]; past a bound (an entropy
+    bonus raised it at a reward scale too small to hold it) the part of the gradient
+    that would bring it back must pass, or no later loss could move it."""
+    import optax
+
+    from agents.common.distributions import GaussianHead, clip_returning
+
+    head = GaussianHead((2,))
+    params = head.init(jax.random.key(0), jnp.zeros((1, 3)))
+    stuck = jax.tree.map(lambda x: x, params)
+    stuck["params"]["log_std"] = jnp.array([2.5, -5.5])  # above max 2, below min -5
+    features = jnp.ones((8, 3))
+
+    def log_std_grad(p, loss):
+        return jax.grad(lambda p: loss(head.apply(p, features)))(p)["params"]["log_std"]
+
+    def sharper(d):  # wants a smaller std on both
+        return -jnp.mean(d.log_prob(d.mean))
+
+    def wider(d):  # an entropy bonus: wants a larger std on both
+        return -jnp.mean(d.entropy())
+
+    np.testing.assert_array_equal(head.apply(stuck, features).log_std[0], [2.0, -5.0])
+    g_sharper, g_wider = log_std_grad(stuck, sharper), log_std_grad(stuck, wider)
+    # The entry above max comes back down, the one below min is held; the other way
+    # round for the bonus.
+    assert g_sharper[0] > 0 and g_sharper[1] == 0
+    assert g_wider[0] == 0 and g_wider[1] < 0
+    # Inside the bounds it is the clip's gradient (the identity).
+    x = jnp.array([-6.0, -1.0, 0.5, 3.0])
+    assert jnp.all(clip_returning(x, -5.0, 2.0) == jnp.clip(x, -5.0, 2.0))
+    np.testing.assert_array_equal(
+        jax.grad(lambda x: jnp.sum(clip_returning(x, -5.0, 2.0) * 2.0))(x), [0, 2, 2, 2])
+    # Adam brings the stuck entry back inside within a few hundred steps.
+    opt = optax.adam(1e-2)
+    state = opt.init(stuck)
+    for _ in range(100):
+        grads = jax.grad(lambda p: sharper(head.apply(p, features)))(stuck)
+        updates, state = opt.update(grads, state)
+        stuck = optax.apply_updates(stuck, updates)
+    assert float(stuck["params"]["log_std"][0]) < 2.0

@@ -42,7 +42,8 @@ def test_a_buffer_size_the_envs_do_not_fill_is_rejected(no_leftovers):
     ("bptt_horizon", -1), ("num_segments", 2.5), ("prio_alpha", -0.1), ("prio_beta0", 1.5),
     ("lstm_size", 0), ("prio_beta_anneal_updates", -3), ("learning_rate", float("nan")),
     ("learning_rate", -1e-3), ("adam_eps", 0.0), ("max_grad_norm", 0.0),
-    ("entropy_cost", -0.01), ("value_cost", float("inf"))])
+    ("entropy_cost", -0.01), ("value_cost", float("inf")), ("prio_alpha", float("inf")),
+    ("gaussian_entropy_cost", float("inf")), ("hidden_sizes", (0,)), ("hidden_sizes", 64)])
 def test_bad_config_is_rejected(field, value):
     with pytest.raises(ValueError, match=field):
         PPOConfig(**{field: value})

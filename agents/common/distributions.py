@@ -23,6 +23,8 @@ axes are batch axes ([E] when acting, [B, T] in a loss).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import flax.struct
 import gymnasium as gym
@@ -169,6 +171,29 @@ class MultiCategoricalHead(nn.Module):
         return MultiCategorical(logits, self.nvec)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def clip_returning(x: jax.Array, low: float, high: float) -> jax.Array:
+    """`jnp.clip(x, low, high)` whose gradient still lets an `x` outside [low, high] come
+    back: outside, the part of the gradient that would move it back passes, the part
+    that would move it further out is zero. `jnp.clip`'s gradient is zero outside, so a
+    parameter an optimizer carried past a bound (an entropy bonus raising a log-std)
+    stayed there for good, whatever the loss asked of it later."""
+    return jnp.clip(x, low, high)
+
+
+def _clip_returning_fwd(x, low, high):
+    return jnp.clip(x, low, high), x
+
+
+def _clip_returning_bwd(low, high, x, g):
+    # Gradient descent moves x by -g: down (back in from above) where g > 0.
+    return (jnp.where(x > high, jnp.maximum(g, 0.0),
+                      jnp.where(x < low, jnp.minimum(g, 0.0), g)),)
+
+
+clip_returning.defvjp(_clip_returning_fwd, _clip_returning_bwd)
+
+
 class GaussianHead(nn.Module):
     """Features [..., D] -> `DiagGaussian` over actions of `shape`.
 
@@ -177,7 +202,8 @@ class GaussianHead(nn.Module):
     the same in every state (`state_dependent_std` False: CleanRL's default, robust for
     on-policy learning), or a second linear output of the features. It starts at
     `init_log_std` and is kept in [min_log_std, max_log_std] so a policy can neither
-    collapse to a point nor explode.
+    collapse to a point nor explode (`clip_returning`: a log-std past a bound can still
+    be brought back by the loss).
     """
 
     shape: tuple[int, ...]
@@ -198,7 +224,7 @@ class GaussianHead(nn.Module):
             log_std = self.param("log_std", nn.initializers.constant(self.init_log_std),
                                  (size,))
             log_std = jnp.broadcast_to(log_std, batch + (size,))
-        log_std = jnp.clip(log_std, self.min_log_std, self.max_log_std)
+        log_std = clip_returning(log_std, self.min_log_std, self.max_log_std)
         return DiagGaussian(mean.reshape(batch + self.shape),
                             log_std.reshape(batch + self.shape), len(self.shape))
 

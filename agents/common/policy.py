@@ -4,8 +4,9 @@ distribution (`agents.common.distributions`), and masked means."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import chex
 import flax.linen as nn
@@ -79,7 +80,8 @@ class ActorCriticOptions:
     def __post_init__(self):
         checks.one_of(self, "normalize_observations", SWITCHES)
         checks.one_of(self, "normalize_rewards", REWARD_SWITCHES)
-        checks.reals(self, "gaussian_entropy_cost", low=0.0)
+        checks.reals(self, "gaussian_entropy_cost", low=0.0, high=sys.float_info.max,
+                     expected="a finite number >= 0")
 
 
 def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
@@ -129,9 +131,10 @@ def twin_lstm_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
         head, env_spec.agents_per_env if options.central_value else 1))
 
 
-def entropy_cost(config: ActorCriticOptions, action_space: gym.Space) -> float:
-    """The entropy bonus's weight for this action space: `gaussian_entropy_cost` for Box
-    actions, the config's `entropy_cost` for categorical ones."""
+def entropy_cost(config: Any, action_space: gym.Space) -> float:
+    """The entropy bonus's weight for this action space: the config's (an agent's, with
+    both fields) `gaussian_entropy_cost` for Box actions, its `entropy_cost` for
+    categorical ones."""
     if isinstance(action_space, gym.spaces.Box):
         return config.gaussian_entropy_cost
     return config.entropy_cost

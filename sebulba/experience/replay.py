@@ -260,13 +260,20 @@ def power_probabilities(
       [N] probabilities summing to 1; uniform over all N rows if no valid row has weight.
     """
     chex.assert_rank(priorities, 1)
-    powered = priorities.astype(jnp.float32) ** alpha
+    p = priorities.astype(jnp.float32)
+    # In log space, shifted by the largest: p^alpha itself overflows float32 for large
+    # sums of |advantage| and exponents (1e4^10), and inf / inf is NaN.
+    positive = p > 0
+    logits = jnp.where(positive, alpha * jnp.log(jnp.where(positive, p, 1.0)),
+                       jnp.where(jnp.asarray(alpha) == 0, 0.0, -jnp.inf))  # 0^0 = 1
     if valid is not None:
         chex.assert_shape(valid, priorities.shape)
-        powered = jnp.where(valid, powered, 0.0)
-    total = jnp.sum(powered)
+        logits = jnp.where(valid, logits, -jnp.inf)
+    top = jnp.max(logits)
+    weighted = top > -jnp.inf
+    powered = jnp.exp(logits - jnp.where(weighted, top, 0.0))
     uniform = jnp.full_like(powered, 1.0 / powered.shape[0])
-    return jnp.where(total > 0, powered / jnp.where(total > 0, total, 1.0), uniform)
+    return jnp.where(weighted, powered / jnp.sum(powered), uniform)
 
 
 def probabilities(replay: Replay) -> jax.Array:
