@@ -32,7 +32,8 @@ DEFAULT_ACTION_POLL_S = 0.0005
 class Config:
     """What a run collects from, and where it acts and learns.
 
-    Everything is checked at construction; a bad value is a ValueError naming it.
+    Everything is checked at construction; a bad value is a ValueError naming it (a
+    TypeError for an `env` that is neither an id nor a factory).
 
     Attributes:
       env: a `gymnasium.make_vec` id (`module:Id` imports the module that registers it),
