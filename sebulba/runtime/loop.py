@@ -368,7 +368,8 @@ class Sebulba:
         )
         if self.num_processes > 1 and progress_timeout_s is not None:
             # Started first: the learner's start is collective, and a peer may never come.
-            run.watchdog = ProgressWatchdog(progress_timeout_s, self.process_index)
+            run.watchdog = ProgressWatchdog(progress_timeout_s, self.process_index,
+                                            num_processes=self.num_processes)
         try:
             self.learner.start(sharding.replicate(state.nets, devices),
                                sharding.replicate(state.opt, devices), experience,

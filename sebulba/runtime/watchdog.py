@@ -20,6 +20,7 @@ waiting processes end, and the stuck one too, each saying the same thing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ EXIT_CODE = 3
 FIRST_UPDATE_S = 600.0
 _PREFIX = "sebulba/learner_position/"
 _VERDICT = "sebulba/stalled/"
+_RUNS = itertools.count()  # this process's multi-process runs, for their keys
 
 
 # Frames of each stuck thread's stack that an `EnvStall` error shows (innermost last).
@@ -119,10 +121,20 @@ def _where(position: int) -> str:
     return f"in update {position // 2 + 1}"
 
 
-def describe_progress(positions: dict[int, int], me: int) -> str:
-    """Which processes are behind, from {process index: position}."""
+def describe_progress(positions: dict[int, int], me: int,
+                      num_processes: int | None = None) -> str:
+    """Which processes are behind, from {process index: position} (the peers' as last
+    published); of `num_processes`, those that published nothing have not started their
+    learner, and are the ones behind."""
     if not positions:
         return "the other processes' progress is unknown"
+    missing = sorted(set(range(num_processes or 0)) - set(positions))
+    if missing:
+        names = ", ".join(f"process {p}" for p in missing)
+        where = ", ".join(f"process {p} {_where(u)}" for p, u in sorted(positions.items()))
+        return (f"{names} never started its learner ({where}): the silent peer"
+                if len(missing) == 1 else
+                f"{names} never started their learners ({where}): the silent peers")
     low = min(positions.values())
     behind = sorted(p for p, u in positions.items() if u == low)
     if len(behind) == len(positions):
@@ -144,10 +156,15 @@ class ProgressWatchdog:
 
     def __init__(self, timeout_s: float, process_index: int,
                  on_stall: Callable[[str], None] | None = None,
-                 first_update_s: float = FIRST_UPDATE_S):
+                 first_update_s: float = FIRST_UPDATE_S, num_processes: int | None = None):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s, self.process_index = timeout_s, process_index
+        self.num_processes = num_processes
+        # Keys of this run's positions: every process makes one watchdog per run, so the
+        # n-th run of each reads the others' n-th (an earlier run's last positions would
+        # otherwise stand for a peer that has not started this one).
+        self._prefix = f"{_PREFIX}{next(_RUNS)}/"
         # Until its first update is done a learner is also starting (env workers,
         # compilation), which takes its own time under load: a timeout sized for the
         # steady state would end healthy runs there.
@@ -157,6 +174,7 @@ class ProgressWatchdog:
         self._on_stall = on_stall or _exit_with
         self._position, self._last_beat = 0, time.monotonic()
         self._published = -1
+        self._moved = threading.Event()  # set by `entering` and `finished`: publish now
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="sebulba-watchdog",
                                         daemon=True)
@@ -164,19 +182,22 @@ class ProgressWatchdog:
 
     def entering(self, update: int) -> None:
         self._position, self._last_beat = 2 * update - 1, time.monotonic()
+        self._moved.set()
 
     def finished(self, update: int) -> None:
         self._position, self._last_beat = 2 * update, time.monotonic()
         self._started = True
+        self._moved.set()
 
     def close(self) -> None:
         self._closed.set()
+        self._moved.set()
         self._thread.join()
 
     def _publish(self) -> None:
         position = self._position
         if self._client is not None and position != self._published:
-            self._client.key_value_set(f"{_PREFIX}{self.process_index}", str(position),
+            self._client.key_value_set(f"{self._prefix}{self.process_index}", str(position),
                                        allow_overwrite=True)
             self._published = position
 
@@ -184,14 +205,15 @@ class ProgressWatchdog:
         """{process index: position} as published (this process's own, current)."""
         found = {self.process_index: self._position}
         if self._client is not None:
-            for key, value in self._client.key_value_dir_get(_PREFIX):
+            for key, value in self._client.key_value_dir_get(self._prefix):
                 found.setdefault(int(key.rsplit("/", 1)[-1]), int(value))
         return found
 
     def report(self) -> str:
         """Who is behind, as far as the key-value store still answers."""
         try:
-            return describe_progress(self.progress(), self.process_index)
+            return describe_progress(self.progress(), self.process_index,
+                                     self.num_processes)
         except Exception as e:
             return f"the coordination service did not answer ({e})"
 
@@ -206,10 +228,21 @@ class ProgressWatchdog:
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout_s / 4)
-        while not self._closed.wait(period):
+        checked = time.monotonic()
+        while True:
+            # Woken as the learner moves, so that the position a dead peer leaves is its
+            # last one (a peer whose save failed right after an update showed an update
+            # of a second before); the checks below run once a period.
+            self._moved.wait(period)
+            self._moved.clear()
+            if self._closed.is_set():
+                return
             # If the coordination service is gone, the stall check below decides.
             with contextlib.suppress(Exception):
                 self._publish()
+            if time.monotonic() - checked < period:
+                continue
+            checked = time.monotonic()
             verdict = self._verdict()
             if verdict is not None:  # a peer found the stall first: end with its words
                 if self.process_index == 0:
