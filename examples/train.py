@@ -462,7 +462,10 @@ def checkpoints_to_keep() -> int:
 def check_fresh_start(checkpointer: Checkpointer) -> None:
     """A run that does not resume must not start in a logdir with checkpoints: its saves
     up to their latest step would not be written, and a later --resume would continue
-    the earlier run."""
+    the earlier run. Nor, in a multi-process run, where a process's own parts of an
+    earlier run's checkpoints are left (`checkpoints_process_N`, without process 0's
+    checkpoints): the new run's parts would be mixed with them. Every process checks
+    every process's directory (they see the same ones), so all refuse alike."""
     if _RESUME.value or _RESUME_IF_PRESENT.value:
         return
     steps = checkpointer.all_steps()
@@ -471,6 +474,16 @@ def check_fresh_start(checkpointer: Checkpointer) -> None:
             f"--logdir={_LOGDIR.value} holds checkpoints of an earlier run (steps "
             f"{steps[0]:,} to {steps[-1]:,} in {checkpointer.directory}): pass --resume to "
             "continue it, or another --logdir to start afresh")
+    for p in range(1, jax.process_count()):
+        directory = process_directory(checkpointer.directory, p)
+        steps = process_part_steps(directory)
+        if steps:
+            raise ValueError(
+                f"--logdir={_LOGDIR.value} holds process {p}'s parts of an earlier run's "
+                f"checkpoints (steps {steps[0]:,} to {steps[-1]:,} in {directory}), but "
+                f"not the checkpoints themselves (none in {checkpointer.directory}), so "
+                f"they cannot be resumed: remove {directory}, or pass another --logdir to "
+                "start afresh")
 
 
 def prepare(agent_config, config: sebulba.Config) -> Launch:
@@ -515,13 +528,7 @@ def restore(launch: Launch) -> None:
     if not launch.resume_steps:
         return
     try:
-        with quiet_info():
-            restored, mine = restore_intact(launch, state)
-        # Each process chose on its own; a read error on one host only would have them
-        # resume from different steps (diverged replicas, different step targets).
-        distributed.check_same_on_every_process(
-            restored.counters["consumed"], "the checkpoint step to resume from (one could "
-            "not read a part the others read: see each process's log)")
+        restored, mine = restore_agreed(launch, state)
     except ValueError as e:
         raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
     if not primary:  # newer parts of its own, stale (process 0 sets its own aside)
@@ -543,6 +550,48 @@ def restore(launch: Launch) -> None:
         changes = changed_settings(restored.metadata, launch.metadata)
         if changes:
             print(f"settings that differ from the checkpoint's: {', '.join(changes)}")
+
+
+_FAILED = -1  # what a process whose restore failed contributes (see `restore_agreed`)
+
+
+def restore_agreed(launch: Launch, state: sebulba.AgentState):
+    """`restore_intact`, the same step in every process, or the same error in every
+    process (a ValueError) rather than one process failing alone and the others timing
+    out in the next collective. Each process chooses on its own; a read error on one host
+    only (a damaged part of its own) would have them resume from different steps."""
+    error = None
+    try:
+        with quiet_info():
+            restored, mine = restore_intact(launch, state)
+        chosen = restored.counters["consumed"]
+    except ValueError as e:
+        if jax.process_count() == 1:
+            raise
+        # A damaged part of its own at step s is -(s + 2), any other error -1.
+        error = e
+        chosen = -(e.step + 2) if isinstance(e, DamagedCheckpoint) else _FAILED
+    values = distributed.value_of_every_process(chosen)
+    failed = {p: v for p, v in enumerate(values) if v < 0}
+    if failed and len(failed) < len(values):
+        # Only some failed: every process says which, at which step, and where.
+        what = "; ".join(
+            f"process {p} could not read its own part of checkpoint {-v - 2:,} (in "
+            f"{process_directory(launch.checkpointer.directory, p)}: damaged)"
+            if v != _FAILED else f"process {p} could not restore (see its log)"
+            for p, v in failed.items())
+        cause = f" [this process: {error}]" if error is not None else ""
+        raise ValueError(
+            f"--resume: {what}; the processes must resume from one checkpoint, so none "
+            "does: restore that part, or move that step's checkpoint (and every process's "
+            f"part of it) out of {launch.checkpointer.directory} to resume from an earlier "
+            f"one{cause}")
+    if error is not None:  # every process failed: each says why
+        raise error
+    distributed.check_same_on_every_process(
+        chosen, "the checkpoint step to resume from (one could not read a part the others "
+        "read: see each process's log)")
+    return restored, mine
 
 
 def restore_intact(launch: Launch, state: sebulba.AgentState):
@@ -567,11 +616,16 @@ def restore_intact(launch: Launch, state: sebulba.AgentState):
         try:
             restored = checkpointer.restore(nets=state.nets, opt=state.opt,
                                             metadata=launch.metadata, step=step)
+        except DamagedCheckpoint as e:
+            skipped(e)
+            launch.damaged.append(step)
+            continue
+        try:
             mine = launch.own.restore(
                 nets=None, opt=None, metadata=launch.metadata, step=step,
                 local_experience=like_experience, step_state=state.step_state)
         except DamagedCheckpoint as e:
-            if jax.process_count() > 1 and e.part in ("experience", "step_state"):
+            if jax.process_count() > 1:  # read by this process alone
                 raise
             skipped(e)
             launch.damaged.append(step)
@@ -695,8 +749,13 @@ def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) ->
                else "a signal to another process of the run")
         saved = ""
         if launch.checkpointer is not None:
-            saved = (f"; checkpoint in {launch.checkpointer.directory}"
-                     if launch.checkpointer.all_steps() else "; no checkpoint saved")
+            # This process's own saves: process 0's are the checkpoints themselves, the
+            # others' their parts of them (their orbax checkpointer never saves).
+            own = launch.own if launch.own is not None else launch.checkpointer
+            part = ("" if own is launch.checkpointer
+                    else f" (this process's part in {own.directory})")
+            saved = (f"; checkpoint in {launch.checkpointer.directory}{part}"
+                     if own.all_steps() else "; no checkpoint saved")
         print(f"stopped by {why} after {consumed:,} env steps{saved}", file=sys.stderr)
         sys.exit(preemption.exit_code or 128 + signal.SIGTERM)
 
@@ -723,11 +782,19 @@ def main(argv: list[str]) -> None:
     check_command_line(argv)
     agent_config, config = make_config()
     # Signals from here on stop the run cleanly (SIGTERM is how clusters preempt); one
-    # that comes before training starts ends the launcher with one line.
+    # that comes before training starts ends a single-process launcher with one line. A
+    # process of a multi-process run must not end alone (its exit would wait in the
+    # cluster's shutdown barrier for the others, which wait for it in their first
+    # collective): it starts training with its stop event set, and the stop vote ends
+    # every process after the same first updates, saved, with 128 + the signal.
     with Preemption(_GRACE.value) as preemption:
         launch = prepare(agent_config, config)
         restore(launch)
-        if preemption.signum is not None:
+        if preemption.signum is not None and jax.process_count() > 1:
+            print(f"process {jax.process_index()}: {signal.Signals(preemption.signum).name} "
+                  "before training started: every process stops after its first updates",
+                  file=sys.stderr)
+        elif preemption.signum is not None:
             launch.close()
             print(f"stopped by {signal.Signals(preemption.signum).name} before training "
                   "started", file=sys.stderr)

@@ -582,7 +582,13 @@ class ProcessCheckpointer:
     a step is complete or absent (also after a power loss). What a save killed midway
     leaves (a `.tmp`, an `.npz` whose JSON never came) is removed by the next save.
 
-    The same `save` / `restore` / `all_steps` as `Checkpointer` for these parts.
+    The same `save` / `restore` / `all_steps` as `Checkpointer` for these parts. As
+    orbax's checkpoints, the parts only move forward: a save of step S removes the parts
+    of steps after S (left by an earlier run in the directory, or by a save cut short
+    elsewhere), which no checkpoint the run makes from here on can pair with, and then
+    keeps the last `max_to_keep` steps; so a save never prunes the part it just wrote.
+    A damaged part (a truncated `.npz`, a garbled JSON) restores as a `DamagedCheckpoint`
+    naming the directory, the step and the part.
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 3):
@@ -617,6 +623,10 @@ class ProcessCheckpointer:
                 "has_experience": local_experience is not None,
                 "has_step_state": step_state is not None}
         try:
+            # An earlier part of this step (an earlier run's, a save cut short) is not
+            # this save's: the step is absent until this save's JSON commits it.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(step, ".json"))
             self._write(step, arrays, meta)
         except OSError as e:
             for suffix in (".npz.tmp", ".json.tmp"):
@@ -625,6 +635,7 @@ class ProcessCheckpointer:
             raise CheckpointSaveError(
                 f"could not save checkpoint {step} in {self.directory}: {cause_line(e)}; "
                 "the earlier checkpoints are intact") from e
+        self.discard_after(step)  # stale: see the class's docstring
         kept = self.all_steps()[-self.max_to_keep:]
         # The JSONs first: a step is gone once its JSON is, whatever else a kill leaves.
         for name in sorted(os.listdir(self.directory), key=lambda n: not n.endswith(".json")):
@@ -664,25 +675,52 @@ class ProcessCheckpointer:
         if step is None or step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint {step} in {self.directory}; there are "
                                     f"{self.all_steps()}")
-        with open(self._path(step, ".json")) as f:
-            meta = json.load(f)
+        meta = self._read(step, "meta", lambda: self._read_meta(step))
         if meta.get("agent") != metadata.get("agent"):
             raise CheckpointMismatch(f"checkpoint {step} in {self.directory} was written by agent "
                              f"{meta.get('agent')!r}; this run's agent is "
                              f"{metadata.get('agent')!r}")
+        wanted = [(part, like) for part, like in (("experience", local_experience),
+                                                  ("step_state", step_state))
+                  if like is not None and meta[f"has_{part}"]]
         out = {}
-        with np.load(self._path(step, ".npz")) as saved:
-            for part, like in (("experience", local_experience), ("step_state", step_state)):
-                if like is None or not meta[f"has_{part}"]:
-                    continue
-                paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-                leaves = [saved[part + jax.tree_util.keystr(p)] for p, _ in paths]
-                tree = jax.tree.unflatten(treedef, leaves)
-                _check_like(f"checkpoint {step} in {self.directory}", part, tree, like)
-                out[part] = _from_saved(tree, like)
+        if wanted:
+            saved = self._read(step, "arrays", lambda: np.load(self._path(step, ".npz")))
+            with saved:
+                for part, like in wanted:
+                    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+                    keys = [part + jax.tree_util.keystr(p) for p, _ in paths]
+                    missing = [k for k in keys if k not in saved.files]
+                    if missing:  # an intact part of another structure
+                        raise CheckpointMismatch(
+                            f"checkpoint {step} in {self.directory} has no {missing[0]} "
+                            f"(its {part} has another structure than this run's)")
+                    leaves = self._read(step, part, lambda keys=keys: [
+                        np.asarray(saved[k]) for k in keys])
+                    tree = jax.tree.unflatten(treedef, leaves)
+                    _check_like(f"checkpoint {step} in {self.directory}", part, tree, like)
+                    out[part] = _from_saved(tree, like)
         return Restored(nets=None, opt=None, local_experience=out.get("experience"),
                         step_state=out.get("step_state"), counters=dict(meta["counters"]),
                         metadata=meta)
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        with open(self._path(step, ".json")) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or not isinstance(meta.get("counters"), dict):
+            raise ValueError(f"metadata is {type(meta).__name__} without counters")
+        for key in ("has_experience", "has_step_state"):
+            if not isinstance(meta.get(key), bool):
+                raise ValueError(f"metadata lacks {key}")
+        return meta
+
+    def _read(self, step: int, part: str, read: Callable[[], Any]) -> Any:
+        """`read()`, whose failure (a missing, truncated or garbled file) is a
+        `DamagedCheckpoint` naming the directory, the step and the part."""
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - any failure to read is damage
+            raise DamagedCheckpoint(self.directory, step, part, e) from e
 
     def close(self) -> None:
         pass

@@ -208,3 +208,62 @@ def test_a_process_s_own_part_round_trips_with_its_keys_and_keeps_the_last_k(tmp
     assert part.discard_after(30) == [40]
     assert sorted(os.listdir(directory)) == ["30.json", "30.npz"]
     assert part.discard_after(30) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_process_s_save_never_prunes_its_new_part_for_leftovers_with_higher_steps(
+        tmp_path):
+    """Parts an earlier run left in checkpoints_process_N at higher steps: the new run's
+    saves must stay (keeping the last K by step number alone pruned each one as soon as
+    it was written, and --resume then found no part of the run's checkpoints)."""
+    from sebulba.checkpoint import ProcessCheckpointer
+
+    directory = str(tmp_path / "checkpoints_process_1")
+    part = ProcessCheckpointer(directory, max_to_keep=2)
+    state = {"h": jnp.arange(4.0)}
+    for step in (5000, 6000):  # the earlier run's
+        part.save(step, counters={"consumed": step}, metadata={"agent": "counting"},
+                  step_state=state)
+    for step in (100, 200, 300):  # the new run's
+        part.save(step, counters={"consumed": step}, metadata={"agent": "counting"},
+                  step_state=state)
+        assert step in part.all_steps()
+    assert part.all_steps() == [200, 300]
+    assert sorted(os.listdir(directory)) == ["200.json", "200.npz", "300.json", "300.npz"]
+    restored = part.restore(metadata={"agent": "counting"}, step_state=state)
+    assert restored.counters == {"consumed": 300}
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_start_refuses_a_process_s_leftover_parts_naming_the_directory(
+        tmp_path, monkeypatch):
+    """As it refuses process 0's checkpoints of an earlier run: every process checks every
+    process's directory, so all refuse alike."""
+    import types
+
+    from examples import train
+    from sebulba.checkpoint import ProcessCheckpointer
+
+    class NoCheckpoints:  # process 0's directory, empty
+        directory = str(tmp_path / "checkpoints")
+
+        def all_steps(self):
+            return []
+
+    for name, value in (("_RESUME", False), ("_RESUME_IF_PRESENT", False),
+                        ("_LOGDIR", str(tmp_path))):
+        monkeypatch.setattr(train, name, types.SimpleNamespace(value=value))
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    train.check_fresh_start(NoCheckpoints())  # nothing left: starts
+    leftover = tmp_path / "checkpoints_process_2"
+    ProcessCheckpointer(str(leftover)).save(
+        4000, counters={"consumed": 4000}, metadata={"agent": "ppo"})
+    with pytest.raises(ValueError) as refused:
+        train.check_fresh_start(NoCheckpoints())
+    message = str(refused.value)
+    assert f"--logdir={tmp_path} holds process 2's parts of an earlier run's" in message
+    assert f"(steps 4,000 to 4,000 in {leftover})" in message
+    assert f"remove {leftover}, or pass another --logdir" in message
+    # --resume_if_present (a requeued job) is no fresh start: its saves drop such parts.
+    monkeypatch.setattr(train, "_RESUME_IF_PRESENT", types.SimpleNamespace(value=True))
+    train.check_fresh_start(NoCheckpoints())

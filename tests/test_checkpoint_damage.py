@@ -188,3 +188,81 @@ def test_evaluate_passes_over_damaged_checkpoints_as_resume_does(trained, tmp_pa
     asked = run("examples.evaluate", f"--checkpoint={logdir}", f"--step={newest}")
     assert asked.returncode == 2 and "Traceback" not in asked.stderr
     assert f"--checkpoint={logdir}: checkpoint {newest}" in asked.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("file, how, part", [
+    ("640.npz", "truncate", "arrays"), ("640.npz", "garble", "arrays"),
+    ("640.json", "truncate", "meta"), ("640.json", "garble", "meta"),
+    ("640.json", "list", "meta")])
+def test_a_damaged_part_of_a_process_s_own_is_named_with_its_step_and_directory(
+        tmp_path, file, how, part):
+    """Not a raw zipfile.BadZipFile or JSONDecodeError naming nobody."""
+    from sebulba.checkpoint import ProcessCheckpointer
+
+    directory = str(tmp_path / "checkpoints_process_1")
+    own = ProcessCheckpointer(directory)
+    state = {"h": jnp.arange(1000.0)}
+    own.save(640, counters={"consumed": 640}, metadata=META, step_state=state)
+    path = os.path.join(directory, file)
+    with open(path, "rb") as f:
+        data = f.read()
+    damaged = {"truncate": data[: len(data) // 2], "garble": b"\x00garbled" * 20,
+               "list": b"[1, 2]"}[how]
+    with open(path, "wb") as f:
+        f.write(damaged)
+    with pytest.raises(DamagedCheckpoint) as e:
+        own.restore(metadata=META, step=640, step_state=state)
+    assert (e.value.directory, e.value.step, e.value.part) == (directory, 640, part)
+    assert f"checkpoint 640 in {directory} is damaged: its {part} cannot be read" in str(
+        e.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_part_one_process_cannot_read_is_one_error_in_every_process(
+        tmp_path, monkeypatch, failing):
+    """Each process contributes its step, or -(step + 2) where its own part of that step
+    is damaged, to one collective: every process then raises the same error naming the
+    failing process and step (not the failing one alone, the other in a gloo timeout)."""
+    import types
+
+    import jax
+
+    from examples import train
+    from sebulba.runtime import distributed
+
+    directory = str(tmp_path / "checkpoints")
+    launch = types.SimpleNamespace(checkpointer=types.SimpleNamespace(directory=directory))
+    restored = types.SimpleNamespace(counters={"consumed": 640})
+    damage = DamagedCheckpoint(f"{directory}_process_1", 640, "arrays",
+                               ValueError("File is not a zip file"))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def restore_intact(launch, state):
+        if failing:
+            raise damage
+        return restored, None
+
+    monkeypatch.setattr(train, "restore_intact", restore_intact)
+    contributed = []
+
+    def value_of_every_process(value):  # this process is process `failing`
+        contributed.append(value)
+        return [640, -642]  # process 0's step; process 1's own part of 640 damaged
+
+    monkeypatch.setattr(distributed, "value_of_every_process", value_of_every_process)
+    with pytest.raises(ValueError) as e:
+        train.restore_agreed(launch, None)
+    message = str(e.value)
+    assert message.startswith(
+        f"--resume: process 1 could not read its own part of checkpoint 640 (in "
+        f"{directory}_process_1: damaged); the processes must resume from one checkpoint")
+    assert ("File is not a zip file" in message) == bool(failing)  # the cause, its own
+    assert contributed == [-642 if failing else 640]
+    # Every process failing alike (e.g. no intact checkpoint): each raises its own error.
+    monkeypatch.setattr(distributed, "value_of_every_process", lambda v: [-642, -642])
+    monkeypatch.setattr(train, "restore_intact", lambda launch, state: (_ for _ in ()).throw(
+        damage))
+    with pytest.raises(DamagedCheckpoint):
+        train.restore_agreed(launch, None)

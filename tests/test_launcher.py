@@ -394,3 +394,40 @@ def test_a_multiagent_run_with_agent_ids_evaluates_from_its_checkpoint(tmp_path)
     assert report["episodes"] >= 4 and report["checkpoint_env_steps"] >= 256
     # absl's INFO lines (orbax logs every checkpoint step) are off unless --verbosity
     assert not [line for line in result.stderr.splitlines() if line.startswith("I")]
+
+
+def test_a_stopped_process_s_last_line_says_whether_its_own_part_was_saved(
+        tmp_path, monkeypatch, capsys):
+    """Process 1's orbax checkpointer never saves (process 0 writes the checkpoints); its
+    own part of each is in its ProcessCheckpointer, which its last line must look at."""
+    import types
+
+    import jax
+
+    from examples.train import report
+    from sebulba.checkpoint import ProcessCheckpointer
+
+    class Unsaving:  # process 1's Checkpointer of the shared directory: never saves
+        directory = str(tmp_path / "checkpoints")
+
+        def all_steps(self):
+            return []
+
+    own = ProcessCheckpointer(str(tmp_path / "checkpoints_process_1"))
+    launch = types.SimpleNamespace(checkpointer=Unsaving(), own=own, consumed=0)
+    result = types.SimpleNamespace(stopped_early=True, global_consumed=640)
+    peer_signal = types.SimpleNamespace(signum=None, exit_code=None)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+
+    with pytest.raises(SystemExit) as stopped:
+        report(launch, result, peer_signal)
+    assert stopped.value.code == 143
+    assert "no checkpoint saved" in capsys.readouterr().err  # nothing saved yet: true
+
+    own.save(640, counters={"consumed": 640}, metadata={"agent": "ppo"})
+    with pytest.raises(SystemExit):
+        report(launch, result, peer_signal)
+    err = capsys.readouterr().err
+    assert "no checkpoint saved" not in err, err
+    assert (f"after 640 env steps; checkpoint in {tmp_path / 'checkpoints'} (this "
+            f"process's part in {tmp_path / 'checkpoints_process_1'})") in err, err

@@ -187,3 +187,58 @@ def test_the_grace_period_must_be_positive():
 
     with pytest.raises(ValueError, match="grace_seconds must be > 0, got 0"):
         Preemption(0)
+
+
+EARLY_SIGNAL_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+    import jax
+    from examples import train
+    from examples.config_flags import run_main
+
+    restore = train.restore
+
+    def restore_then_signalled(launch):
+        # The signal comes while process 1 sets up (a slow restore), before training.
+        restore(launch)
+        if jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # for the signal thread to see it before restore returns
+
+    train.restore = restore_then_signalled
+    run_main(train.main)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_signal_to_one_process_before_training_ends_both_together_with_a_checkpoint(
+        tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", EARLY_SIGNAL_SCRIPT,
+         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+         f"--process_id={i}", "--heartbeat_timeout_seconds=30", "--preemption_grace_seconds=120",
+         f"--logdir={logdir}", *SMALL], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    # Not process 1 alone (which aborted in the cluster's shutdown barrier, rc 134, and
+    # process 0 a collective timeout later, rc 1): both stop after the same update, save
+    # it and exit as preempted.
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM before training started" in results[1][1]
+    assert "stopped by SIGTERM after" in results[1][1]
+    assert "stopped by a signal to another process" in results[0][1]
+    steps = _checkpoint_steps(logdir)
+    own = sorted(int(p.name[:-5]) for p in (logdir / "checkpoints_process_1").iterdir()
+                 if p.name.endswith(".json"))
+    assert len(steps) == 1 and own == steps, (steps, own)
+    assert "no checkpoint saved" not in results[1][1]

@@ -58,9 +58,16 @@ def check_same_on_every_process(value: int, what: str) -> None:
     """ValueError naming each process's `value` unless all processes of the run passed the
     same (a collective: every process calls it): for choices each process makes on its
     own that must agree, such as the checkpoint step a run resumes from."""
-    if jax.process_count() == 1:
-        return
-    values = np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int64)))
-    if len(set(values.tolist())) > 1:
+    values = value_of_every_process(value)
+    if len(set(values)) > 1:
         raise ValueError(f"the processes disagree on {what}: " + ", ".join(
-            f"process {i} {v}" for i, v in enumerate(values.tolist())))
+            f"process {i} {v}" for i, v in enumerate(values)))
+
+
+def value_of_every_process(value: int) -> list[int]:
+    """Each process's `value`, by process index (a collective: every process calls it);
+    `[value]` in a single-process run, without one."""
+    if jax.process_count() == 1:
+        return [int(value)]
+    return np.asarray(multihost_utils.process_allgather(
+        np.asarray(value, np.int64))).reshape(-1).tolist()
