@@ -59,6 +59,7 @@ How it fits the Sebulba loop:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence as SequenceType
 from typing import NamedTuple
 
@@ -203,7 +204,8 @@ class R2D2Config:
                      high=1.0)
         checks.reals(self, "epsilon_base", low=0.0, high=1.0, open_low=True)
         checks.reals(self, "priority_exponent", "epsilon_alpha", "value_rescaling_eps",
-                     "max_grad_norm", low=0.0)
+                     "max_grad_norm", low=0.0, high=sys.float_info.max,
+                     expected="a finite number >= 0")
         checks.reals(self, "learning_rate", "adam_eps", low=0.0, open_low=True)
 
     def resolved(self, observation_space: gym.Space) -> R2D2Config:

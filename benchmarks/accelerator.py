@@ -79,9 +79,9 @@ STAGES = ("acting_latency", "acting_only", "breakout_ppo", "breakout_impala",
 BREAKOUT_ID = "Breakout-v5"
 HALFCHEETAH_ID = "HalfCheetah-v5"
 MLP_ENV_ID = "CartPole-v1"
-# The stage's (agent, EnvPool task) of each training stage.
 # Steps of the device buffer the latency stage's recording acting call writes into.
 RECORD_STEPS = 32
+# The stage's (agent, EnvPool task) of each training stage.
 TRAINING = {"breakout_ppo": ("ppo", BREAKOUT_ID), "breakout_impala": ("impala", BREAKOUT_ID),
             "halfcheetah_ppo": ("ppo", HALFCHEETAH_ID)}
 ENV_SOURCES = ("auto", "envpool", "gymnasium")

@@ -588,8 +588,8 @@ def restore_agreed(launch: Launch, state: sebulba.AgentState):
             f"one{cause}")
     if error is not None:  # every process failed: each says why
         raise error
-    distributed.check_same_on_every_process(
-        chosen, "the checkpoint step to resume from (one could not read a part the others "
+    distributed.check_same(
+        values, "the checkpoint step to resume from (one could not read a part the others "
         "read: see each process's log)")
     return restored, mine
 
@@ -751,7 +751,7 @@ def report(launch: Launch, result: sebulba.RunResult, preemption: Preemption) ->
         if launch.checkpointer is not None:
             # This process's own saves: process 0's are the checkpoints themselves, the
             # others' their parts of them (their orbax checkpointer never saves).
-            own = launch.own if launch.own is not None else launch.checkpointer
+            own = launch.own
             part = ("" if own is launch.checkpointer
                     else f" (this process's part in {own.directory})")
             saved = (f"; checkpoint in {launch.checkpointer.directory}{part}"

@@ -84,7 +84,8 @@ class Config:
         before it sleeps on them: waking a thread costs tens of microseconds, polling
         holds a core and the GIL. 0 suits many inferencer threads per core. None: 0.5 ms,
         or 0 where envs step in worker processes, which need those cores.
-      seed: seeds the networks, the agent state and the envs; in [0, 2**63).
+      seed: seeds the networks, the agent state and the envs; in [0, 2**63) (JAX's keys
+        take its low 32 bits: seeds 2**32 apart start from the same networks).
       desync_episodes: truncate each env's first episode at a length drawn uniformly from
         1 to the env's episode step limit, so that envs that start together do not stay
         in the same phase of their episodes. Needs a time limit (a registered

@@ -76,6 +76,9 @@ def test_config_errors_name_the_value_and_the_expectation():
         R2D2Config(min_replay_size=10, replay_capacity=5)
     with pytest.raises(ValueError, match="discount must be in \\[0, 1\\], got 1.5"):
         R2D2Config(discount=1.5)
+    with pytest.raises(ValueError, match="priority_exponent must be a finite number >= 0, "
+                                         "got inf"):
+        R2D2Config(priority_exponent=float("inf"))
     agent = R2D2(SPEC, small_config())
     layout = sebulba.Layout(envs_per_group=4, num_groups=2, steps_per_cycle=5,
                             num_learner_devices=1)

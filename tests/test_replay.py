@@ -166,16 +166,16 @@ def test_only_held_rows_raise_the_max_priority():
 
 
 @pytest.mark.timeout(120)
-def test_negative_or_nan_priorities_count_as_zero_and_leave_the_rest_prioritized():
+def test_negative_infinite_or_nan_priorities_count_as_zero_and_leave_the_rest_prioritized():
     replay = filled([1.0] * 8, capacity=8)
     replay = rp.update_priorities(replay, jnp.arange(8), jnp.array(
-        [100.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, -1e-6, jnp.nan]))
-    np.testing.assert_array_equal(replay.priorities[6:], [0.0, 0.0])
+        [100.0, 1e-3, 1e-3, 1e-3, 1e-3, jnp.inf, -1e-6, jnp.nan]))
+    np.testing.assert_array_equal(replay.priorities[5:], [0.0, 0.0, 0.0])
     assert float(replay.max_priority) == 100.0 and np.isfinite(float(replay.total_mass))
     assert_tree_consistent(replay)
     s = rp.sample(replay, jax.random.key(0), 64, 0.5)
     assert np.mean(np.asarray(s.indices) == 0) > 0.9  # still prioritized, not uniform
-    assert not np.isin(np.asarray(s.indices), [6, 7]).any()
+    assert not np.isin(np.asarray(s.indices), [5, 6, 7]).any()
     replay = rp.insert(replay, items([9]))  # enters at a finite max priority
     assert float(replay.priorities[0]) == 100.0
 

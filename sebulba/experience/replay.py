@@ -219,8 +219,8 @@ def update_priorities(replay: Replay, indices: jax.Array, priorities: jax.Array)
 
     A row given twice in one batch gets one of its values, the same in `priorities` and
     in the tree (a sampled batch's repeats come from the same networks and data, so they
-    agree). Rows not held keep mass 0 in the tree until inserted. A negative or NaN
-    priority counts as 0 (its row is not drawn until updated again): in the tree's sums it
+    agree). Rows not held keep mass 0 in the tree until inserted. A negative, infinite or
+    NaN priority counts as 0 (its row is not drawn until updated again): in the tree's sums it
     would make the total NaN, which `sample` cannot tell from an empty tree, and in
     `max_priority` every later insert's. O(B log C).
     """
@@ -228,7 +228,8 @@ def update_priorities(replay: Replay, indices: jax.Array, priorities: jax.Array)
     chex.assert_type(indices, int)
     chex.assert_shape(priorities, indices.shape)
     priorities = priorities.astype(jnp.float32)
-    priorities = jnp.where(priorities >= 0, priorities, 0.0)  # NaN >= 0 is false too
+    # NaN >= 0 is false too; an infinite one would make the total (and max_priority) inf.
+    priorities = jnp.where((priorities >= 0) & jnp.isfinite(priorities), priorities, 0.0)
     # Out-of-range rows are dropped here as in the tree (a negative index would wrap).
     rows = jnp.where((indices >= 0) & (indices < replay.capacity), indices, replay.capacity)
     written = replay.priorities.at[rows].set(priorities, mode="drop")

@@ -58,7 +58,12 @@ def check_same_on_every_process(value: int, what: str) -> None:
     """ValueError naming each process's `value` unless all processes of the run passed the
     same (a collective: every process calls it): for choices each process makes on its
     own that must agree, such as the checkpoint step a run resumes from."""
-    values = value_of_every_process(value)
+    check_same(value_of_every_process(value), what)
+
+
+def check_same(values: list[int], what: str) -> None:
+    """ValueError naming each process's value unless `values` (by process index, as
+    `value_of_every_process` gives them) are all the same."""
     if len(set(values)) > 1:
         raise ValueError(f"the processes disagree on {what}: " + ", ".join(
             f"process {i} {v}" for i, v in enumerate(values)))

@@ -36,6 +36,7 @@ FIRST_UPDATE_S = 600.0
 _PREFIX = "sebulba/learner_position/"
 _VERDICT = "sebulba/stalled/"
 _RUNS = itertools.count()  # this process's multi-process runs, for their keys
+_PUBLISH_GAP_S = 0.05  # the least time between two publications of a position
 
 
 # Frames of each stuck thread's stack that an `EnvStall` error shows (innermost last).
@@ -240,6 +241,9 @@ class ProgressWatchdog:
             # If the coordination service is gone, the stall check below decides.
             with contextlib.suppress(Exception):
                 self._publish()
+            # Moves within this gap are published together: at most one call to the
+            # coordination service per gap however fast the updates come.
+            self._closed.wait(_PUBLISH_GAP_S)
             if time.monotonic() - checked < period:
                 continue
             checked = time.monotonic()
