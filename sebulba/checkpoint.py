@@ -166,20 +166,6 @@ def _orbax_errors_held() -> Iterator[_HeldOrbaxErrors]:
         logger.removeFilter(held)
 
 
-_late_errors: _HeldOrbaxErrors | None = None  # installed after the process's first failed save
-
-
-def _hold_late_orbax_errors() -> None:
-    """After a failed save, holds orbax's errors for the rest of the process: the failed
-    save's other writes may still fail, and orbax log them with their tracebacks, after
-    `CheckpointSaveError` has reported the failure in one line (under load, after the
-    launcher's last line). A run stops at a failed save, so nothing else is hidden."""
-    global _late_errors
-    if _late_errors is None:
-        _late_errors = _HeldOrbaxErrors()
-        logging.getLogger("absl").addFilter(_late_errors)
-
-
 # What a checkpoint's step state and experience are shaped by, recorded in its metadata
 # ("layout") by the launcher: a run of another layout would restore arrays of the wrong
 # shape (orbax restores an array as saved, whatever the target's shape). The learner
@@ -365,7 +351,6 @@ class Checkpointer:
                 self._manager.wait_until_finished()
             except Exception as e:
                 self._remove_partial(step)
-                _hold_late_orbax_errors()
                 raise CheckpointSaveError(
                     f"could not save checkpoint {step} in {self.directory}: {cause_line(e)}; "
                     "the earlier checkpoints are intact") from e
