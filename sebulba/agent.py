@@ -307,3 +307,30 @@ def zeros_trajectory(agent: Agent, nets: Nets, num_envs: int, steps_per_cycle: i
         env_steps=jax.tree.map(lambda x: zeros(x, steps_per_cycle + 1), env_step),
         actor_outputs=jax.tree.map(lambda x: zeros(x, steps_per_cycle), actor_output),
     )
+
+
+def strongly_typed(tree: PyTree) -> PyTree:
+    """`tree` with its weakly typed leaves (`jnp.full(n, -1.0)`, `x + 1.0` of a Python
+    scalar) made strong: a StepState weak in one call and strong in the next (as
+    `Agent.step` returns it) compiles the acting call twice."""
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.result_type(x))
+                        if jax.typeof(x).weak_type else x, tree)
+
+
+def checked_step_state(given: StepState, returned: StepState) -> StepState:
+    """The StepState `Agent.step` `returned` for the one it was `given` (traced values),
+    strongly typed; a ValueError naming the leaf where its structure, a shape or a dtype
+    differs (the acting call would compile again, or the learner fail far from it)."""
+    if jax.tree.structure(returned) != jax.tree.structure(given):
+        raise ValueError(f"Agent.step returned a StepState of structure "
+                         f"{jax.tree.structure(returned)}; it was given "
+                         f"{jax.tree.structure(given)}")
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(given),
+                            jax.tree.leaves(returned), strict=True):
+        if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+            raise ValueError(
+                f"Agent.step returned step_state{jax.tree_util.keystr(path)} of shape "
+                f"{jnp.shape(y)} and dtype {jnp.result_type(y)}; it was given "
+                f"{jnp.shape(x)}, {jnp.result_type(x)} (a StepState keeps its shapes "
+                "and dtypes from step to step)")
+    return strongly_typed(returned)

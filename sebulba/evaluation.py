@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sebulba.agent import Agent
+from sebulba.agent import Agent, checked_step_state, strongly_typed
 from sebulba.envs import registry
 from sebulba.envs.base import EnvSource, close_all, close_quietly
 from sebulba.envs.gymnasium_source import EnvFactory
@@ -87,7 +87,13 @@ class EpisodeRunner:
         self.rows_per_env = len(self.agents) if self.multi_agent else 1
         self.num_envs = source.num_envs // self.rows_per_env
         self.env_steps = 0  # rows stepped over all runs (agent steps for multi-agent)
-        self._act = jax.jit(agent.greedy_step if greedy else agent.step)
+        step = agent.greedy_step if greedy else agent.step
+
+        def act(step_state, nets, env_step):
+            output, new_state = step(step_state, nets, env_step)
+            return output, checked_step_state(step_state, new_state)
+
+        self._act = jax.jit(act)
         self._rows = np.arange(source.num_envs)
 
     def run(self, acting_nets: Nets, num_episodes: int, seed: int, *,
@@ -105,10 +111,10 @@ class EpisodeRunner:
         quota[:num_episodes % envs] += 1
         per_env: list[list[tuple]] = [[] for _ in range(envs)]
         source.reset(seed=seed)
-        # On the networks' device, as the acting call returns it: an uncommitted first
-        # step state would compile the call a second time.
-        step_state = self.agent.new_step_state(acting_nets, jax.random.key(seed),
-                                               source.num_envs)
+        # On the networks' device and strongly typed, as the acting call returns it:
+        # otherwise the call would compile a second time.
+        step_state = strongly_typed(self.agent.new_step_state(
+            acting_nets, jax.random.key(seed), source.num_envs))
         leaves = jax.tree.leaves(acting_nets)
         if leaves:
             step_state = jax.device_put(step_state, leaves[0].device)

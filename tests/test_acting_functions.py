@@ -76,3 +76,63 @@ def test_networks_of_another_structure_are_refused():
     renamed = {"other": nets["params"]}
     with pytest.raises(ValueError, match="changed structure"):
         acting.networks(renamed)
+
+
+class ChangesItsStepState(SPG):
+    """Returns its step state's key as data of another dtype, or a row too many."""
+
+    def __init__(self, env_spec, change: str):
+        super().__init__(env_spec, SPGConfig(hidden_sizes=(16, 16)))
+        self.change = change
+
+    def step(self, step_state, nets, env_step):
+        output, state = super().step(step_state, nets, env_step)
+        keys = jax.random.key_data(state.key)
+        if self.change == "dtype":
+            return output, state._replace(key=keys.astype(jax.numpy.float32))
+        return output, state._replace(key=jax.numpy.concatenate([state.key, state.key[:1]]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change,message", [
+    ("dtype", r"step_state\.key of shape \(6, 2\) and dtype float32; it was given \(6,\), "
+              r"key<fry>"),
+    ("shape", r"step_state\.key of shape \(7,\) and dtype key<fry>; it was given \(6,\)"),
+], ids=["dtype", "shape"])
+def test_a_step_state_that_changes_its_shape_or_dtype_is_refused_naming_the_leaf(
+        change, message):
+    _, nets, step_state, env_step = setup()
+    agent = ChangesItsStepState(sebulba.env_spec("CartPole-v1"), change)
+    acting = ActingFunctions(agent, steps_per_cycle=4)
+    state = acting.new_state(step_state, jax.devices()[0])
+    with pytest.raises(ValueError, match=message):
+        acting.act_all(acting.networks(nets), state.step_state, env_step)
+    with pytest.raises(ValueError, match=message.replace("(6", "(3").replace("(7", "(4")):
+        acting.act(acting.networks(nets), state.step_state, np.array([4, 1, 2], np.int32),
+                   jax.tree.map(lambda x: x[:3], env_step))
+
+
+class WeakStepState(SPG):
+    """A step state of a weakly typed leaf (`jnp.full(n, -1.0)`), strong once it steps."""
+
+    def new_step_state(self, nets, key, num_envs):
+        state = super().new_step_state(nets, key, num_envs)
+        return state, jax.numpy.full(num_envs, -1.0)
+
+    def step(self, step_state, nets, env_step):
+        state, _ = step_state
+        output, state = super().step(state, nets, env_step)
+        return output, (state, env_step.obs[:, 0])
+
+
+@pytest.mark.timeout(120)
+def test_a_weakly_typed_step_state_compiles_the_acting_call_once():
+    agent = WeakStepState(sebulba.env_spec("CartPole-v1"), SPGConfig(hidden_sizes=(16, 16)))
+    _, nets, _, env_step = setup()
+    step_state = agent.new_step_state(nets, jax.random.key(3), N)
+    assert jax.typeof(step_state[1]).weak_type
+    acting = ActingFunctions(agent, steps_per_cycle=4)
+    raw = acting.new_state(step_state, jax.devices()[0], snapshots=False).step_state
+    for _ in range(3):
+        _, raw = acting.act_all(acting.networks(nets), raw, env_step)
+    assert acting.act_all._cache_size() == 1

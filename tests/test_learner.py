@@ -43,7 +43,9 @@ def test_nothing_recompiles_after_the_first_cycles(no_leftovers):
     try:
         loop = counting_loop(inference_devices=[0, 1], learner_devices=[2, 3])
         loop.run(2 * 4 * 3 * 4)  # a few cycles of each of the 4 groups
-        assert compiles, "the listener saw no compilation at all"
+        # Once per inference device, although the agent's first step state is weakly
+        # typed (jnp.full(n, -1.0)) and the ones its step returns are not.
+        assert compiles.count("jit(_act_all)") == 2, compiles
         compiles.clear()
         result = loop.run(30 * 4 * 3 * 4)
     finally:

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sebulba.agent import Agent
+from sebulba.agent import Agent, checked_step_state, strongly_typed
 from sebulba.envs.base import EnvSource
 from sebulba.runtime import sharding, transfers
 from sebulba.runtime.accounting import Accounting, StageClock
@@ -125,7 +125,8 @@ class ActingFunctions:
         """Acts for envs `ids` [E] of the N whose StepState rows `step_state` holds."""
         step_state = self._typed(step_state)
         rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
-        output, rows = self.agent.step(rows, self._nets_def.unflatten(nets), env_step)
+        output, new_rows = self.agent.step(rows, self._nets_def.unflatten(nets), env_step)
+        rows = checked_step_state(rows, new_rows)
         self.output_def = jax.tree.structure(output)
         return output, self._raw(jax.tree.map(
             lambda x, r: r if _is_shared(x) else x.at[ids].set(r), step_state, rows))
@@ -133,10 +134,11 @@ class ActingFunctions:
     def _act_all(self, nets: tuple[jax.Array, ...], step_state: StepState,
                  env_step: EnvStep) -> tuple[ActorOutput, StepState]:
         """`_act` for all N envs in order, as a vector env steps them: no row gathering."""
-        output, step_state = self.agent.step(self._typed(step_state),
-                                             self._nets_def.unflatten(nets), env_step)
+        step_state = self._typed(step_state)
+        output, new_state = self.agent.step(step_state, self._nets_def.unflatten(nets),
+                                            env_step)
         self.output_def = jax.tree.structure(output)
-        return output, self._raw(step_state)
+        return output, self._raw(checked_step_state(step_state, new_state))
 
     def _snapshot(self, snapshots: StepState, step_state: StepState, ids: jax.Array,
                   slots: jax.Array) -> StepState:
@@ -168,7 +170,7 @@ class ActingFunctions:
         if self._key_impls is None:  # the same for every thread's StepState
             self._key_impls = [jax.random.key_impl(x) if _is_key(x) else None
                                for x in jax.tree.leaves(step_state)]
-        raw = self._raw(step_state)
+        raw = strongly_typed(self._raw(step_state))  # as the acting calls return it
         kept = None
         if snapshots:
             kept = jax.tree.map(

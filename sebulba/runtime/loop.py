@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sebulba.agent import Agent, Layout
+from sebulba.agent import Agent, Layout, strongly_typed
 from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
@@ -261,6 +261,9 @@ class Sebulba:
             state = self.initial_state()
         else:
             self._check_step_state_rows(state.step_state)
+        # As the acting calls return it, so that each compiles once (and the cut's
+        # concatenation of consumed and unconsumed groups' rows too).
+        state = state._replace(step_state=strongly_typed(state.step_state))
         run = self._start_learner(state, local_experience, learner_updates,
                                   progress_timeout_s)
         try:
