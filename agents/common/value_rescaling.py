@@ -15,7 +15,9 @@ DEFAULT_EPS = 1e-3
 
 def rescale(x: jax.Array, eps: float = DEFAULT_EPS) -> jax.Array:
     """h(x), elementwise; strictly increasing, h(0) = 0, odd."""
-    return jnp.sign(x) * (jnp.sqrt(jnp.abs(x) + 1.0) - 1.0) + eps * x
+    # sign(x)(sqrt(|x| + 1) - 1) written as x / (sqrt(|x| + 1) + 1): no cancellation near
+    # 0, and a true gradient there (1/2 + eps; sign's zero gradient made it eps).
+    return x / (jnp.sqrt(jnp.abs(x) + 1.0) + 1.0) + eps * x
 
 
 def unrescale(y: jax.Array, eps: float = DEFAULT_EPS) -> jax.Array:
