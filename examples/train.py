@@ -727,7 +727,7 @@ def train(launch: Launch, preemption: Preemption) -> sebulba.RunResult:
             local_experience=launch.local_experience, stop=preemption.event, on_stop=save_last,
             progress_timeout_s=_PROGRESS_TIMEOUT.value,
             learner_updates=launch.learner_updates)
-        reporter.finish(result.evaluations)
+        reporter.finish(result)
         save_last()
     finally:
         reporter.close()

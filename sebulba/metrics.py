@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from sebulba.runtime import bottleneck
-from sebulba.runtime.accounting import Accounting
+from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.evaluator import Evaluation
 from sebulba.runtime.loop import UpdateInfo
 
@@ -221,7 +221,6 @@ class _Update(NamedTuple):
 
     step: int
     version: int
-    metrics: dict[str, float]
     accounting: Accounting
     at: float
     bound: bottleneck.Bottleneck
@@ -235,8 +234,13 @@ class Reporter:
     before it (envs starting, compilation) would make the first row's throughput a
     fraction of the run's. A row of no window (the first update's, with every_seconds=0,
     or `finish` after one update) has no throughput.
-    `finish` writes the last row (the final window would otherwise be lost) and the
-    evaluations that came after the last update; `close` waits for the videos.
+
+    A row is the update's step, its learner version and metrics, and the window's
+    throughput and episodes. The learner's metrics come one update late (`UpdateInfo`),
+    so a row is written at the next update, with the metrics that update brings (or at
+    `finish`, with the run's last: `RunResult.metrics`; `close` writes it without them).
+    `finish` also writes the last row that `every_seconds` held back and the evaluations
+    that came after the last update; `close` waits for the videos.
     """
 
     def __init__(
@@ -262,6 +266,8 @@ class Reporter:
         self._team_episodes_seen = 0
         # The last update seen: `finish` writes its row unless a row of its step was.
         self._last_update: _Update | None = None
+        # The scalars of the last row (step, scalars), waiting for its update's metrics.
+        self._held_row: tuple[int, dict[str, float]] | None = None
         self._eval_return: float | None = None  # the last evaluation's, for the bar
         self._evaluations_written = 0
         self._videos = ThreadPoolExecutor(1, thread_name_prefix="sebulba-video-writer")
@@ -284,17 +290,19 @@ class Reporter:
             self._bar.update(step - self._bar.n)
         for evaluation in info.evaluations:  # rare: written as they come
             self._write_evaluation(evaluation)
+        self._write_held_row(info.metrics)  # the previous update's metrics
         # Its figures, not the UpdateInfo: that holds the learner's state (replay buffers
         # too), which should not outlive the update.
         update = self._last_update = _Update(
-            step, info.version, info.metrics, info.accounting, time.monotonic(),
+            step, info.version, info.accounting, time.monotonic(),
             self._bound(info.accounting.stage_seconds))
         if self._window is None:
             self._window = (update.at, step)
         if update.at - self._window[0] >= self.every_seconds:
-            self._write_row(update)
+            self._hold_row(update)
 
-    def _write_row(self, update: _Update) -> None:
+    def _hold_row(self, update: _Update) -> None:
+        """The row of `update`, held until its metrics come; the bar shows it now."""
         step, now = update.step, update.at
         # One read of the episodes and their total: an episode that ends between two reads
         # would be counted in the total without ever being reported.
@@ -306,7 +314,7 @@ class Reporter:
         seconds = now - start
         sps = (step - start_step) / seconds if seconds > 0 else None  # None: no window
         self._window, self._last_row_step = (now, step), step
-        scalars = {f"learner/{k}": v for k, v in update.metrics.items()}
+        scalars = {}
         if sps is not None:
             scalars["throughput/consumed_steps_per_second"] = sps
         scalars["learner/version"] = update.version
@@ -325,21 +333,33 @@ class Reporter:
                 postfix["eval"] = f"{self._eval_return:.4g}"
             postfix["bound"] = update.bound.short()
             self._bar.set_postfix(postfix, refresh=False)
-        if self.writer is not None:
-            self.writer.write(step, scalars)
+        self._held_row = (step, scalars)
 
-    def finish(self, evaluations: Sequence[Evaluation]) -> None:
-        """Writes the last update's row if `every_seconds` held it back (with the episodes
-        counted since the last row, those counted as the run stopped included), and the
-        run's evaluations (`RunResult.evaluations`) that no `on_update` call carried:
-        those that finished after the learner's last update.
+    def _write_held_row(self, metrics: Mapping[str, float] | None) -> None:
+        """Writes the held row with its update's learner `metrics` (None: unknown)."""
+        if self._held_row is None:
+            return
+        step, scalars = self._held_row
+        self._held_row = None
+        if self.writer is not None:
+            learner = {f"learner/{k}": v for k, v in (metrics or {}).items()}
+            self.writer.write(step, {**learner, **scalars})
+
+    def finish(self, result: RunResult) -> None:
+        """Writes the last update's row, with the run's last metrics (`result.metrics`),
+        also where `every_seconds` held it back (with the episodes counted since the last
+        row, those counted as the run stopped included), and the run's evaluations
+        (`result.evaluations`) that no `on_update` call carried: those that finished
+        after the learner's last update.
 
         The loop leaves the video frames of those last evaluations in the result for this
-        call; they are dropped from `evaluations` (a list) once handed to the writers, so
+        call; they are dropped from `result.evaluations` once handed to the writers, so
         that the result keeps figures, not hundreds of MB.
         """
         if self._last_update is not None and self._last_update.step != self._last_row_step:
-            self._write_row(self._last_update)  # not a second row of one step
+            self._hold_row(self._last_update)  # not a second row of one step
+        self._write_held_row(result.metrics)
+        evaluations = result.evaluations
         for i in range(self._evaluations_written, len(evaluations)):
             self._write_evaluation(evaluations[i])
             if evaluations[i].video_frames is not None and isinstance(evaluations, list):
@@ -377,6 +397,7 @@ class Reporter:
                            exc_info=error)
 
     def close(self) -> None:
+        self._write_held_row(None)  # a run that raised: its last row, without metrics
         self._videos.shutdown(wait=True)
         self._log_video_errors()
         if self._bar is not None:

@@ -361,7 +361,7 @@ def test_videos_are_recorded_every_m_evaluations_to_files_and_tensorboard(tmp_pa
         result = run_with_evaluation(8_000, on_update=on_update, eval_every_updates=2,
                                      eval_episodes=2, eval_max_share=1.0,
                                      eval_video_dir=videos, eval_video_every=2)
-        reporter.finish(result.evaluations)  # those that finished after the last update
+        reporter.finish(result)  # those that finished after the last update
     finally:
         reporter.close()
     with_video = [e for e in result.evaluations if e.video]

@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import time
+import types
 from collections.abc import Iterator
 
 import numpy as np
@@ -123,7 +124,7 @@ def test_a_tensorboard_row_is_in_its_event_file_once_written(tmp_path):
 def test_the_first_row_of_a_run_has_the_throughput_from_its_first_update_on(monkeypatch):
     """Not from the reporter's making: the envs' start and the compilation before the
     first update would make the first row's throughput a fraction of the run's."""
-    import types
+
 
     from sebulba import metrics
     from sebulba.runtime.accounting import Accounting
@@ -146,7 +147,7 @@ def test_the_first_row_of_a_run_has_the_throughput_from_its_first_update_on(monk
             reporter(types.SimpleNamespace(accounting=accounting, metrics={}, version=1,
                                            evaluations=()))
             clock[0] += 1.0
-        reporter.finish([])
+        reporter.finish(types.SimpleNamespace(evaluations=[], metrics={}))
         reporter.close()
         return [(step, s.get("throughput/consumed_steps_per_second")) for step, s in rows]
 
@@ -157,6 +158,25 @@ def test_the_first_row_of_a_run_has_the_throughput_from_its_first_update_on(monk
     assert run(2.0) == [(8000, 1000.0), (9000, 1000.0)]
 
 
+def test_a_row_holds_its_own_updates_metrics_and_close_writes_the_last_row_without_them():
+    """The learner's metrics come one update late: update k's row waits for update k + 1
+    (or `finish`); a run that raised never calls `finish`, and its last row is not lost."""
+    from sebulba.runtime.accounting import Accounting
+
+    rows = []
+    sink = types.SimpleNamespace(write=lambda step, scalars: rows.append((step, scalars)),
+                                 close=lambda: None)
+    accounting = Accounting()
+    reporter = Reporter(10**6, sink, every_seconds=0.0, progress=False)
+    for version in (1, 2, 3):
+        accounting.consumed += 100
+        reporter(types.SimpleNamespace(accounting=accounting, version=version,
+                                       metrics={"loss": 10.0 * (version - 1)}, evaluations=()))
+    reporter.close()  # no finish: the run raised
+    assert [(step, s["learner/version"], s.get("learner/loss")) for step, s in rows] == [
+        (100, 1, 10.0), (200, 2, 20.0), (300, 3, None)]
+
+
 @pytest.mark.timeout(120)
 def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
     env = functools.partial(CountingEnv, 5)
@@ -165,12 +185,16 @@ def test_reporter_writes_during_a_run(tmp_path, no_leftovers):
     reporter = Reporter(30 * 12, JsonLinesWriter(str(tmp_path / "m.jsonl")), every_seconds=0.0,
                         progress=True, step_offset=1000)
     result = loop.run(30 * 12, on_update=reporter)
-    reporter.finish(result.evaluations)  # the last update's row is written: not again
+    reporter.finish(result)  # the last update's row is written: not again
     reporter.close()
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len(rows) == 30
     assert [r["step"] for r in rows] == [1000 + 12 * (i + 1) for i in range(30)]
     assert [r["learner/version"] for r in rows] == list(range(1, 31))
+    # Each row's learner metrics are its own update's (w before update k's step is
+    # 0.98^(k-1)), the last row's too: they come one update late, the last in the result.
+    np.testing.assert_allclose([r["learner/w"] for r in rows], 0.98 ** np.arange(30),
+                               rtol=1e-5)
     assert any(r.get("episode/return") == 5.0 for r in rows)
     # the first row, at the first update, has no window to measure
     assert "throughput/consumed_steps_per_second" not in rows[0]
@@ -227,7 +251,7 @@ class _EpisodeEndsAfterEachRead:
 
 @pytest.mark.timeout(60)
 def test_the_reporter_reports_every_episode_once():
-    import types
+
 
     accounting = _EpisodeEndsAfterEachRead()
     rows = []
@@ -305,8 +329,8 @@ def test_finish_writes_the_last_window_that_every_seconds_held_back(tmp_path, no
     try:
         result = loop.run(30 * 12, on_update=reporter)
         assert not (tmp_path / "m.jsonl").read_text()
-        reporter.finish(result.evaluations)
-        reporter.finish(result.evaluations)  # a step is written once
+        reporter.finish(result)
+        reporter.finish(result)  # a step is written once
     finally:
         reporter.close()
     (row,) = read_rows(tmp_path / "m.jsonl")
@@ -339,7 +363,8 @@ def test_a_failing_video_sink_is_logged_and_leaves_the_others_their_videos(tmp_p
     writer = MultiWriter([_BrokenVideoSink(), TensorBoardWriter(str(tmp_path)), jsonl])
     reporter = Reporter(1000, writer, every_seconds=0.0, progress=False)
     frames = np.random.default_rng(0).integers(0, 255, (6, 16, 16, 3), np.uint8)
-    reporter.finish([Evaluation(3, 100, EvaluationResult([1.0], [5]), 0.1, None, frames, 10)])
+    evaluation = Evaluation(3, 100, EvaluationResult([1.0], [5]), 0.1, None, frames, 10)
+    reporter.finish(types.SimpleNamespace(evaluations=[evaluation], metrics={}))
     with caplog.at_level("ERROR", logger="sebulba.metrics"), \
             pytest.raises(OSError, match="the upload broke"):
         reporter.close()  # every sink is closed, then the first close error raised
@@ -379,7 +404,7 @@ def test_the_video_of_an_evaluation_that_ends_after_the_last_update_is_written(
             updates * 128, on_update=on_update)
         assert not seen and [e.learner_update for e in result.evaluations] == [updates]
         assert result.evaluations[-1].video_frames is not None  # for finish
-        reporter.finish(result.evaluations)
+        reporter.finish(result)
     finally:
         reporter.close()
     assert read_tensorboard_videos(tmp_path) == [("eval/video", result.evaluations[-1].env_steps)]
@@ -399,7 +424,7 @@ def test_multi_agent_env_episodes_are_reported_as_team_returns(tmp_path, no_left
     try:
         result = sebulba.Sebulba(PPO(config.env_spec(), PPOConfig()), config).run(
             3_000, on_update=reporter)
-        reporter.finish(result.evaluations)
+        reporter.finish(result)
     finally:
         reporter.close()
     (row,) = read_rows(tmp_path / "m.jsonl")
