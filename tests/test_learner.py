@@ -162,6 +162,42 @@ def test_a_set_stop_event_ends_the_run_after_the_update_under_way(no_leftovers):
 
 
 @pytest.mark.timeout(120)
+def test_a_stop_in_the_last_update_ends_nothing_early(no_leftovers):
+    """Every step consumed: not stopped early (a launcher would exit as preempted, and
+    its requeued run find nothing to do), and on_stop (a preempted run's save) not run."""
+    stop, stops = threading.Event(), []
+
+    def on_update(info):
+        if info.version == 4:
+            stop.set()
+
+    result = counting_loop().run(4 * 4 * 3, on_update=on_update, stop=stop,
+                                 on_stop=lambda: stops.append(1))
+    assert result.learner_updates == 4 and result.consumed == 4 * 4 * 3
+    assert not result.stopped_early and stops == []
+
+
+@pytest.mark.timeout(120)
+def test_the_runs_wall_time_ends_with_its_last_update(no_leftovers):
+    """Not with on_stop (a preempted run's save) or the shutdown: throughput and the
+    bottleneck verdict divide by it."""
+    stop, seen = threading.Event(), {}
+
+    def on_update(info):
+        if info.version == 2:
+            stop.set()
+
+    def on_stop():
+        seen["on_stop"] = time.perf_counter()
+        time.sleep(1.0)
+
+    start = time.perf_counter()
+    result = counting_loop().run(10**9, on_update=on_update, stop=stop, on_stop=on_stop)
+    assert result.stopped_early and result.learner_updates == 2
+    assert 0 < result.wall_seconds < seen["on_stop"] - start
+
+
+@pytest.mark.timeout(120)
 def test_a_stop_while_the_learner_waits_calls_on_stop_before_the_shutdown(no_leftovers):
     """A preempted run saves in on_stop: when the stop comes while the learner waits for
     a trajectory (here: its env's step hangs), on_stop runs while the inferencer thread

@@ -176,7 +176,8 @@ class RunResult:
       dropped: env steps in trajectories dropped from a full queue (`drop_when_full`).
       in_flight: env steps acted but not consumed when the run ended: in open cycles,
         the queue, or taken by the learner for an update it did not make.
-      wall_seconds: from the first env step to the end of the run.
+      wall_seconds: from the inferencer threads' start to the end of the learner's last
+        update (the shutdown after it, and `on_stop`, not counted).
       episodes: (env_steps when it was counted, return, length) of the completed
         episodes, the most recent `EPISODE_WINDOW` of them (`episodes_total` counts
         all). An in-order loop counts the episodes that ended when it pushes a cycle (and

@@ -277,6 +277,9 @@ class Sebulba:
                                     progress_timeout_s)
             self._update_loop(run, total_env_steps, learn, on_update, stop)
             self.learner.finish()
+            # The run's time ends with its last update: not the shutdown (threads joined,
+            # envs closed, one after another) nor on_stop's save.
+            run.wall = time.perf_counter() - run.start
             if run.stopped_early and on_stop is not None:
                 on_stop()
         finally:
@@ -427,10 +430,12 @@ class Sebulba:
                     _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut,
                                      learner.finish),
                     evaluations))
-            # One process needs no vote: an event set in on_update counts at once.
+            # One process needs no vote: an event set in on_update counts at once. A stop
+            # during the last update ends nothing early: every step is consumed.
             if run.stopped_early or (self.num_processes == 1 and stop is not None
                                      and stop.is_set()):
-                run.stopped_early = True
+                run.stopped_early = (accounting.consumed * self.num_processes
+                                     < total_env_steps)
                 return
 
     def _evaluate(self, run: _Run) -> tuple[Evaluation, ...]:
@@ -480,7 +485,8 @@ class Sebulba:
             # writes their videos from the result (and drops the frames). At most one
             # evaluation runs after the last update's offer, so this is one video at most.
             run.evaluations.extend(run.evaluator.take())
-        run.wall = time.perf_counter() - run.start
+        if not run.wall:  # a run that raised
+            run.wall = time.perf_counter() - run.start
         return still_alive
 
     def _result(self, run: _Run, learner_updates: int) -> RunResult:
