@@ -159,6 +159,13 @@ def test_the_tracker_judges_the_seconds_since_its_first_call():
     assert b.short() == "learner 98%"
     # the thread's time is what its stages account for: 1.2 s waiting of its 1.7 s
     assert "waited for it 71% of theirs" in b.line()
+    # The figures of a next run (a fresh Accounting: its stages behind these) start it
+    # again, as the first call did, rather than fail on negative seconds.
+    now[0] = 20.0
+    assert tracker({"env_step": 0.2, "queue_get": 1.0}).kind == "undetermined"
+    now[0] = 21.0
+    again = tracker({"env_step": 0.25, "queue_put": 0.8, "queue_get": 1.02, "optimize": 0.9})
+    assert again.kind == "learner" and again.share == pytest.approx(0.98)
 
 
 # Real runs on the CPU, each built to be bound one way. Each loop runs once to compile,

@@ -184,7 +184,9 @@ class Tracker:
         # One C-level copy under the GIL: the threads add to the dict meanwhile, and
         # iterating it in Python could see it change size.
         now, seconds = self._clock(), dict(stage_seconds)
-        if self._start is None:
+        # A stage behind its start: the figures of another run (one tracker, two runs).
+        if self._start is None or any(v < self._start[1].get(s, 0.0)
+                                      for s, v in seconds.items()):
             self._start = (now, seconds)
             return undetermined("no wall time")
         start, before = self._start
