@@ -22,7 +22,7 @@ from sebulba.runtime import inferencer
 from sebulba.runtime.accounting import Accounting
 from sebulba.runtime.channels import ErrorBox, Staging
 from sebulba.runtime.inferencer import (
-    MAX_PENDING_CYCLES,
+    HOLD_AHEAD_CYCLES,
     ActingFunctions,
     EnvGroupRunner,
     _HoldBack,
@@ -62,12 +62,16 @@ class ScriptedPool:
     def reset(self, seed: int) -> None:
         self.ready = list(range(self.num_envs))
 
-    def recv(self):
-        assert len(self.ready) >= E, "recv would wait forever: fewer than E envs stepping"
+    def pick(self) -> np.ndarray:
+        """The ids recv returns, taken out of `ready`."""
         window = self.ready[:self.window]
         picked = sorted(self.rng.choice(len(window), E, replace=False).tolist())
-        ids = np.array([window[i] for i in picked], np.int64)
         self.ready = [e for i, e in enumerate(self.ready) if i not in picked]
+        return np.array([window[i] for i in picked], np.int64)
+
+    def recv(self):
+        assert len(self.ready) >= E, "recv would wait forever: fewer than E envs stepping"
+        ids = self.pick()
         self.mixed_groups += len(set((ids // E).tolist())) > 1
         self.mixed_steps += len(set(self.steps[ids].tolist())) > 1
         obs = np.stack([ids, self.steps[ids], np.zeros(E)], axis=1).astype(np.float32)
@@ -174,7 +178,7 @@ def test_mixed_batches_fill_each_envs_own_row_in_order(copies_early, monkeypatch
 def test_envs_that_run_ahead_of_their_group_are_held_back():
     """With three or more groups in one pool, two batches step at once and recv returns
     whichever envs finish first: an env's lead over the slowest of its group grows as a
-    random walk, without bound. An env about to open a cycle MAX_PENDING_CYCLES ahead of
+    random walk, without bound. An env about to open a cycle HOLD_AHEAD_CYCLES ahead of
     its group's oldest is held back (its action kept, not sent) until that cycle is
     pushed, as long as E envs are left stepping for recv."""
     pool = ScriptedPool(seed=1, window=None)  # any stepping env may finish first
@@ -183,11 +187,44 @@ def test_envs_that_run_ahead_of_their_group_are_held_back():
     check_rows_in_order(pushed)
 
 
+class SlowEnvsPool(ScriptedPool):
+    """A pool whose first env of groups 0 and 1 finishes last whenever E others can be
+    returned instead (a slow reset, a slow simulator): the other envs of those groups,
+    more than can wait for them, run ahead. Records the largest lead in env steps."""
+
+    slow = (0, E)
+
+    def __init__(self, seed: int):
+        super().__init__(seed, window=None)
+        self.lead = 0
+
+    def pick(self) -> np.ndarray:
+        steps = self.steps.reshape(GROUPS, E)
+        self.lead = max(self.lead, int((steps.max(1) - steps.min(1)).max()))
+        fast = [e for e in self.ready if e not in self.slow]
+        if len(fast) < E:
+            return super().pick()
+        ids = np.sort(self.rng.choice(fast, E, replace=False))
+        self.ready = [e for e in self.ready if e not in ids]
+        return ids
+
+
+@pytest.mark.timeout(120)
+def test_envs_run_on_where_no_more_can_wait_for_their_group():
+    """Three groups: the room for held envs is one group's (all but the batch received
+    and the one sent). Two groups' fast envs are more than that: those that find no room
+    run on, past the lead where envs are held, and the trajectories stay in order."""
+    pool = SlowEnvsPool(seed=2)
+    pushed = run_until_pushed(pool, cycles=40)
+    assert pool.lead > HOLD_AHEAD_CYCLES * T  # more than holding alone allows
+    check_rows_in_order(pushed)
+
+
 def test_an_env_is_held_just_before_it_would_open_one_cycle_too_many():
     steps, size = 4, 2
     held = _HoldBack(capacity=2, group_size=size, steps_per_cycle=steps)
     oldest = np.zeros(3, np.int64)  # three groups of two envs, all at their first cycle
-    cycle = np.array([MAX_PENDING_CYCLES - 1, MAX_PENDING_CYCLES - 2, 0, 0, 0, 0])
+    cycle = np.array([HOLD_AHEAD_CYCLES - 1, HOLD_AHEAD_CYCLES - 2, 0, 0, 0, 0])
     cursor = np.array([steps - 1, steps - 1, 0, 0, 0, 0])
     ids = np.array([0, 1])
     # Env 0's next step ends cycle oldest + MAX - 1 and opens one too many: held. Env 1's
@@ -200,8 +237,8 @@ def test_an_env_is_held_just_before_it_would_open_one_cycle_too_many():
     # Mid-cycle, an env ahead is sent: its step opens nothing.
     assert held.choose(ids, cycle, np.array([steps - 2] * 6), oldest) is None
     # At most `capacity` envs wait (a batch must keep stepping for recv): one more here.
-    cycle[1] = MAX_PENDING_CYCLES - 1
-    cycle[3] = MAX_PENDING_CYCLES  # group 1's oldest is 1 below
+    cycle[1] = HOLD_AHEAD_CYCLES - 1
+    cycle[3] = HOLD_AHEAD_CYCLES  # group 1's oldest is 1 below
     oldest[1] = 1
     cursor[3] = steps - 1
     hold = held.choose(np.array([1, 3]), cycle, cursor, oldest)

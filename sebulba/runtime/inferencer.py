@@ -20,8 +20,9 @@ A source whose recv returns any E of its envs (one asynchronous EnvPool,
 "envpool_async") is driven by id: the acting call gathers and scatters the ids' StepState
 rows and keeps a copy of those that start a cycle (a trajectory's initial StepState); each
 env keeps its own cycle and cursor, so envs of a group need not step together: an env may
-run up to `MAX_PENDING_CYCLES - 1` cycles ahead of its group's slowest, and is held back
-there (`_HoldBack`) until that env's cycle is pushed.
+run up to `HOLD_AHEAD_CYCLES - 1` cycles ahead of its group's slowest, and is held back
+there (`_HoldBack`) until that env's cycle is pushed; while no more envs can wait, it runs
+on, up to `MAX_PENDING_CYCLES - 1` cycles ahead.
 
 Only the action's transfer stands between the acting call and the env step; the rest of
 the host's work overlaps the device's (JAX dispatches asynchronously). Trajectories are
@@ -50,9 +51,14 @@ from sebulba.runtime.accounting import Accounting, StageClock
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
 from sebulba.types import ActorOutput, EnvStep, StepState, Trajectory
 
-# Cycles of one group that may be open at once: the slowest env's and those of envs
-# that ran ahead of it. An env about to open one more is held back (`_HoldBack`).
-MAX_PENDING_CYCLES = 3
+# Cycles of one group open at once: the slowest env's and those of envs that ran ahead of
+# it. An env about to open a cycle HOLD_AHEAD_CYCLES after its group's oldest open one is
+# held back (`_HoldBack`) while there is room for it to wait; with none (the room is tight:
+# the pool's envs less two batches) it runs on, and the run fails only where an env would
+# open one MAX_PENDING_CYCLES after it, whose StepState rows would overwrite a snapshot
+# still needed. Each snapshot slot is one StepState of the pool's envs on the device.
+HOLD_AHEAD_CYCLES = 3
+MAX_PENDING_CYCLES = 8
 _SNAPSHOT_SLOTS = MAX_PENDING_CYCLES + 1  # a cycle's final StepState is the next's initial
 
 
@@ -250,9 +256,10 @@ class _HoldBack:
     With three or more groups in one pool two batches step at once, and recv returns
     whichever envs finish first: an env's lead over the slowest of its group grows like a
     random walk, without bound (two groups keep their batches: one steps while the other
-    is in inference). An env whose next step would open a cycle `MAX_PENDING_CYCLES`
+    is in inference). An env whose next step would open a cycle `HOLD_AHEAD_CYCLES`
     after its group's oldest open one waits instead. At most `capacity` envs wait, so
-    that a recv always has a batch of envs stepping to return.
+    that a recv always has a batch of envs stepping to return; while that many wait,
+    others run on.
     """
 
     def __init__(self, capacity: int, group_size: int, steps_per_cycle: int):
@@ -274,7 +281,7 @@ class _HoldBack:
         if not last.any():  # the usual case: one check a batch
             return None
         opens = cycle[ids] + 1 - oldest[ids // self.group_size]  # the cycle it would open
-        hold = last & (opens >= MAX_PENDING_CYCLES)
+        hold = last & (opens >= HOLD_AHEAD_CYCLES)
         hold &= np.cumsum(hold) <= room
         return hold if hold.any() else None
 
@@ -293,7 +300,7 @@ class _HoldBack:
         """The (ids, actions) of held envs whose group has caught up, no longer held."""
         if not len(self.ids):
             return None
-        free = cycle[self.ids] + 1 - oldest[self.ids // self.group_size] < MAX_PENDING_CYCLES
+        free = cycle[self.ids] + 1 - oldest[self.ids // self.group_size] < HOLD_AHEAD_CYCLES
         if not free.any():
             return None
         out = self.ids[free], self.actions[free]
@@ -678,8 +685,9 @@ class EnvGroupRunner:
                         f"an env of group {self.first_group + g} is {MAX_PENDING_CYCLES} "
                         "cycles ahead of the slowest env of its group, and no more envs "
                         "can wait for theirs (a batch of envs must keep stepping): its "
-                        "envs' step times differ too much; more env groups per pool "
-                        "(async_factor) let more envs wait")
+                        "envs' step times differ too much for cycles this short; longer "
+                        "cycles (steps_per_cycle) or more env groups per pool "
+                        "(async_factor) give them more room")
                 record = open_cycles[(g, c)] = _Cycle(version, env_step, size,
                                                       self.acting.steps_per_cycle)
             sel = slots.keys == key
