@@ -205,6 +205,28 @@ def test_actions_of_the_wrong_shape_are_refused_by_name(task_id, shape, no_lefto
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("vectorization", ["envpool", "envpool_async"])
+def test_non_finite_actions_name_the_sources_env(vectorization, no_leftovers):
+    """Not the batch's row: EnvPool's groups and an asynchronous pool's batches hold
+    envs other than 0..E-1."""
+    from sebulba.envs.envpool_source import EnvPoolGroups, EnvPoolSource
+
+    make = EnvPoolGroups if vectorization == "envpool" else EnvPoolSource
+    source = make("Pendulum-v1", num_groups=2, group_size=2, seed=0)
+    try:
+        source.reset(seed=0)
+        batches = [source.recv()[0] for _ in range(2)]
+        ids = next(b for b in batches if b[1] != 1)  # row 1 is not env 1
+        action = np.zeros((2, 1), np.float32)
+        action[1] = np.nan
+        with pytest.raises(FloatingPointError,
+                           match=re.escape(f"non-finite actions for envs [{ids[1]}]")):
+            source.send(action, ids)
+    finally:
+        source.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_pool_that_returns_its_envs_out_of_order_is_caught(no_leftovers):
     """The rows of a group are taken to be in env order, as EnvPool's synchronous pools
     return them; the output checks hold a pool to it."""

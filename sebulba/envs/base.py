@@ -68,8 +68,11 @@ def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
                          "one-dimensional and start at 0")
 
 
-def action_to_env(action_space: gym.Space) -> Callable[[np.ndarray], np.ndarray]:
-    """What the env boundary does to the agents' actions [E, *shape] before an env sees them.
+def action_to_env(action_space: gym.Space
+                  ) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
+    """What the env boundary does to the agents' actions [E, *shape] before an env sees them:
+    `to_env(actions, ids)`, `ids` [E] the source's ids of the envs they are for (None: the
+    rows' positions), which an error names.
 
     Box: non-finite actions (a diverged policy) are an error here, before they reach the
     env (MuJoCo would integrate them into NaN states); finite ones are clipped to the
@@ -77,15 +80,16 @@ def action_to_env(action_space: gym.Space) -> Callable[[np.ndarray], np.ndarray]
     agent recorded. Discrete and MultiDiscrete actions pass unchanged.
     """
     if not isinstance(action_space, gym.spaces.Box):
-        return lambda action: action
+        return lambda action, ids=None: action
     low, high = action_space.low, action_space.high
 
-    def to_env(action: np.ndarray) -> np.ndarray:
+    def to_env(action: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
         finite = np.isfinite(action)
         if not finite.all():
-            rows = np.flatnonzero(~finite.reshape(len(action), -1).all(axis=1)).tolist()
+            rows = np.flatnonzero(~finite.reshape(len(action), -1).all(axis=1))
+            envs = (rows if ids is None else np.asarray(ids)[rows]).tolist()
             raise FloatingPointError(
-                f"the policy produced non-finite actions for envs {rows[:8]} (e.g. "
+                f"the policy produced non-finite actions for envs {envs[:8]} (e.g. "
                 f"{action[rows[0]]!r}) in {action_space!r}: the networks have probably "
                 "diverged (see the learner's metrics: loss, entropy)")
         return np.clip(action, low, high)

@@ -131,8 +131,10 @@ class _Pool:
         ids, obs, reward, done, truncated = (state[i] for i in self._raw)
         return ids, obs, reward, done & ~truncated, truncated  # done: either of them
 
-    def send(self, actions: np.ndarray, ids32: np.ndarray) -> None:
-        actions = np.asarray(self._to_env(actions), self._action_dtype)
+    def send(self, actions: np.ndarray, ids32: np.ndarray, source_ids: np.ndarray) -> None:
+        """Steps the pool's envs `ids32` (the pool's ids; `source_ids`: the source's, for
+        errors) with `actions`."""
+        actions = np.asarray(self._to_env(actions, source_ids), self._action_dtype)
         # Below EnvPool's wrapper nothing checks the shape, and C++ aborts the process
         # (no traceback, no save) on too few rows; too many or a missing axis pass.
         if actions.shape != (len(ids32), *self._action_shape):
@@ -239,7 +241,7 @@ class EnvPoolGroups:
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
         g = self._send_turn
         self._send_turn = g + 1 if g + 1 < self.num_groups else 0
-        self.pools[g].send(actions, self._order)
+        self.pools[g].send(actions, self._order, ids)
         self._trackers[g].sent(self._order)
 
     def render(self) -> np.ndarray | None:
@@ -296,7 +298,7 @@ class EnvPoolSource:
         return self._pool.render() if self._render_mode == "rgb_array" else None
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        self._pool.send(actions, ids.astype(np.int32))
+        self._pool.send(actions, ids.astype(np.int32), ids)
         self._tracker.sent(ids)
 
     def close(self) -> None:

@@ -369,7 +369,7 @@ class VectorEnvSource:
         return None if frames is None else np.asarray(frames[0])
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        actions = self._to_env(actions)
+        actions = self._to_env(actions, ids)
         try:
             obs, reward, terminated, truncated, _ = self.vec.step(actions)
         except PIPE_ERRORS as e:

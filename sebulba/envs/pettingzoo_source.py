@@ -298,7 +298,7 @@ class ParallelEnvSource:
                 else None)
 
     def send(self, actions: np.ndarray, ids: np.ndarray) -> None:
-        actions = self._to_env(np.asarray(actions))
+        actions = self._to_env(np.asarray(actions), ids)
         k, rows = self.agents_per_env, self.num_envs
         obs = np.zeros((rows, *self._obs_shape), self._obs_dtype)
         reward = np.zeros(rows, np.float32)
