@@ -7,9 +7,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gymnasium.envs.registration import load_env_creator
 
 from sebulba.agent import Agent, checked_step_state, strongly_typed
 from sebulba.envs import registry
@@ -281,13 +283,16 @@ class VideoRecorder:
                              ) from None
         try:
             source = _one_group(self._sources, vectorization, 1)
+            # Received too: an EnvPool would hold this reset's batch in flight, and every
+            # recording's first recv return it (a step behind for the source's life).
             source.reset(seed=request.seed)
+            source.recv()
             frame = source.render() if hasattr(source, "render") else None
             if frame is None or np.ndim(frame) != 3:
                 raise ValueError(f"{what} cannot record videos: it renders no rgb_array "
                                  f"frame (got {type(frame).__name__})")
             self.runner = EpisodeRunner(agent, source, greedy=greedy, name="a video")
-            self.fps = _render_fps(source)
+            self.fps = _render_fps(source, request.env)
         except BaseException:
             close_quietly(self._sources)
             raise
@@ -337,10 +342,20 @@ def save_video(frames: np.ndarray, directory: str, name: str, fps: int = 30) -> 
     return path
 
 
-def _render_fps(source: EnvSource) -> int:
-    """The frame rate the env's metadata asks for (30 if it names none)."""
+def _render_fps(source: EnvSource, env_id: str | EnvFactory) -> int:
+    """The frame rate the env's metadata asks for (30 if it names none): of the source's
+    envs, or for a source that holds none (EnvPool) of the class gymnasium registers
+    under its id."""
     env = getattr(source, "vec", None) or next(iter(getattr(source, "envs", [])), None)
-    fps = getattr(env, "metadata", {}).get("render_fps") if env is not None else None
+    metadata = getattr(env, "metadata", None)
+    if metadata is None and isinstance(env_id, str):
+        try:
+            entry = gym.spec(env_id).entry_point
+            metadata = getattr(load_env_creator(entry) if isinstance(entry, str) else entry,
+                               "metadata", None)
+        except (gym.error.Error, ImportError):  # not registered (EnvPool's Atari ids)
+            pass
+    fps = (metadata or {}).get("render_fps")
     return int(fps) if fps else 30
 
 

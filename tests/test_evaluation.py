@@ -120,6 +120,27 @@ def test_a_video_of_a_wrapped_env_shows_the_policy_what_it_was_trained_on(tmp_pa
         evaluate(agent, nets, "CartPole-v1", 2, num_envs=2)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vectorization", ["sync", "envpool"])
+def test_a_recorded_episode_has_a_frame_per_step_and_the_first(vectorization):
+    """CartPole's return is its length: T steps, T + 1 frames. The recorder's render
+    check must leave no EnvPool batch in flight, or each recording runs a step behind."""
+    from sebulba.envs import registry
+    from sebulba.evaluation import VideoRecorder
+
+    agent = SPG(sebulba.env_spec("CartPole-v1", vectorization=vectorization))
+    nets = agent.acting_nets(agent.new_networks(jax.random.key(0)), 0)
+    recorder = VideoRecorder(agent, vectorization,
+                             registry.SourceRequest("CartPole-v1", {}, 1, seed=7))
+    try:
+        for seed in (1, 2):
+            frames, episode_return = recorder.record(nets, seed)
+            assert len(frames) == episode_return + 1
+        assert recorder.fps == 50  # CartPole's render_fps, EnvPool's source holds no env
+    finally:
+        recorder.close()
+
+
 class StopAfter:
     """A stop flag that is set from its n+1-th look on."""
 
