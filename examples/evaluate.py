@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags
@@ -37,8 +38,9 @@ def main(argv: list[str]) -> None:
     try:
         agent, nets, meta = load_policy(_CHECKPOINT.value, _STEP.value, skipped)
     except FileNotFoundError as e:
-        flag = "--step" if _STEP.value is not None and "no checkpoint" in str(e) else (
-            "--checkpoint")
+        # The step's own fault only where its directory holds checkpoints.
+        flag = "--step" if _STEP.value is not None and os.path.isdir(_CHECKPOINT.value) \
+            and "no checkpoint" in str(e) else "--checkpoint"
         value = _STEP.value if flag == "--step" else _CHECKPOINT.value
         raise app.UsageError(f"{flag}={value}: {e}") from None
     except ValueError as e:  # damaged, another run's shapes, an unknown agent

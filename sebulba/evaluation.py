@@ -214,8 +214,12 @@ def evaluate(
 def check_agent_fits(agent: Agent, vectorization: str, request: registry.SourceRequest
                      ) -> None:
     """ValueError naming both specs where the envs of `request` do not have the spaces
-    `agent` was built for (a run checks its own at construction)."""
-    spec = registry.get(vectorization).env_spec(
+    `agent` was built for, or naming a setting `vectorization` cannot honour (wrappers of
+    envs it does not make, agent ids of a single-agent env), as `Config` does for a run."""
+    kind = registry.get(vectorization)
+    registry.check_request(kind, request.env, request.env_wrappers,
+                           agent_ids=request.agent_ids)
+    spec = kind.env_spec(
         dataclasses.replace(request, group_size=1, num_groups=1))
     if agent.env_spec != spec:
         wrapped = (f" wrapped in {', '.join(map(str, request.env_wrappers))}"

@@ -141,6 +141,19 @@ def test_a_recorded_episode_has_a_frame_per_step_and_the_first(vectorization):
         recorder.close()
 
 
+@pytest.mark.timeout(60)
+def test_settings_a_vectorization_cannot_honour_are_refused_as_a_run_refuses_them():
+    """Wrappers of envs EnvPool makes itself, agent ids of a single-agent env: ignored
+    silently, the evaluation would report another env than the run's."""
+    agent = SPG(sebulba.env_spec("CartPole-v1"))
+    nets = agent.new_networks(jax.random.key(0))
+    with pytest.raises(ValueError, match="env_wrappers wrap each env, so they need"):
+        evaluate(agent, nets, "CartPole-v1", 2, num_envs=2, vectorization="envpool",
+                 env_wrappers=("ClipReward(max_reward=0.5)",))
+    with pytest.raises(ValueError, match="agent_ids is for multi-agent envs"):
+        evaluate(agent, nets, "CartPole-v1", 2, num_envs=2, agent_ids=True)
+
+
 class StopAfter:
     """A stop flag that is set from its n+1-th look on."""
 

@@ -340,6 +340,9 @@ def test_multi_agent_envs_are_evaluated_per_agent_and_as_a_team(no_leftovers):
     assert scalars["eval/team_return"] == pytest.approx(np.mean(e.result.returns))
     assert scalars["eval/return"] == pytest.approx(np.mean(team) / 3)
     assert {f"eval/return/{a}" for a in agents} <= set(scalars)
+    # The summary says what the sinks got: an agent's mean return, the team's beside it.
+    assert (f"mean return {scalars['eval/return']:.4g} (team "
+            f"{scalars['eval/team_return']:.4g})") in result.summary()
 
 
 @pytest.mark.timeout(180)

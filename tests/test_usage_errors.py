@@ -99,6 +99,10 @@ def test_the_evaluation_command_reports_usage_errors_alike(tmp_path):
     missing = tmp_path / "nowhere"
     assert_usage_error(launcher(f"--checkpoint={missing}", module="examples.evaluate"),
                        f"--checkpoint={missing}: no checkpoint in {missing}: no such directory")
+    # With a step, the missing directory is still the checkpoint's fault, not the step's.
+    assert_usage_error(launcher(f"--checkpoint={missing}", "--step=5",
+                                module="examples.evaluate"),
+                       f"--checkpoint={missing}: no checkpoint in {missing}: no such directory")
     assert not missing.exists()
 
 

@@ -389,8 +389,11 @@ class RunResult:
                      "recording ran past eval_max_share)")
         if self.evaluations:
             last = self.evaluations[-1]
+            scalars = last.scalars()  # eval/return: an agent's, as the sinks get it
+            team = (f" (team {scalars['eval/team_return']:.4g})"
+                    if "eval/team_return" in scalars else "")
             line += (f"; the last, of update {last.learner_update}: mean return "
-                     f"{np.mean(last.result.returns):.4g} over {len(last.result.returns)} "
+                     f"{scalars['eval/return']:.4g}{team} over {len(last.result.returns)} "
                      "episodes")
         return line
 
