@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import multiprocessing
 import os
 import sys
@@ -198,6 +199,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="training stages: seconds of each bound (envs alone, learner-only)")
     p.add_argument("--max_seconds", type=_positive_seconds, default=450.0,
                    help="the run's budget (see above)")
+    p.add_argument("--table_from", type=str, default=None,
+                   help="print the table of the records in this JSONL file (--out of a "
+                        "run cut short, whose end and table were not written) and exit")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -354,6 +358,8 @@ def acting_latency(args: argparse.Namespace) -> dict[str, Any]:
             point = _acting_round_trips(agent, nets, e, args.async_factor,
                                         args.latency_seconds, args.seed)
             points.append({"network": network, **point})
+            # Written as it comes: a later point that fails keeps the ones before.
+            args.record({"record": "latency_point", **points[-1]})
     return {"num_groups": args.async_factor, "points": points,
             **({"skipped_networks": skipped} if skipped else {})}
 
@@ -469,11 +475,13 @@ def _run_for(loop, seconds: float, state):
     return loop.run(2**62, state, on_update=on_update, stop=stop)
 
 
-def _short_of_time(args: argparse.Namespace, after: str) -> str | None:
+def _short_of_time(args: argparse.Namespace, after: str, warmup_s: float = 0.0
+                   ) -> str | None:
     """Why a training stage stops here, if what is left of the run's budget cannot hold
-    its bounds and a shortest measured run, plus a few seconds for the rest."""
+    a warm-up of `warmup_s`, its bounds and a shortest measured run, plus a few seconds
+    for the rest."""
     left = args.deadline - time.perf_counter()
-    if left < 2 * args.bound_seconds + min(args.train_seconds, 5.0) + 10:
+    if left < warmup_s + 2 * args.bound_seconds + min(args.train_seconds, 5.0) + 10:
         return f"{left:.0f} s of the run's budget left {after}"
     return None
 
@@ -482,7 +490,9 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     """Warm-up, the two bounds, then the measured run of `--train_seconds` (shorter if the
     run's budget is short); skipped once that budget cannot hold them."""
     choice, missing = choose_env(task_id, args.num_env_threads, args.env_source)
-    missing = missing or _short_of_time(args, "at the start")
+    # A stage that cannot fit a warm-up as long as the last stage's is not started: its
+    # warm-up would be spent for nothing.
+    missing = missing or _short_of_time(args, "at the start", args.last_warmup_s)
     if missing:
         return {"skipped": missing}
     loop = _training_loop(args, agent_name, choice)
@@ -490,7 +500,7 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     t0 = time.perf_counter()
     warm = loop.run(args.warmup_cycles * cfg.num_groups * cfg.envs_per_group
                     * cfg.steps_per_cycle)
-    warmup_s = time.perf_counter() - t0
+    warmup_s = args.last_warmup_s = time.perf_counter() - t0
     late = _short_of_time(args, f"after a warm-up of {warmup_s:.0f} s")
     if late:
         return {"skipped": late}
@@ -628,8 +638,32 @@ def _leftovers() -> dict[str, list[str]]:
             "child_processes": sorted(str(p.pid) for p in multiprocessing.active_children())}
 
 
+def table_from(path: str) -> str:
+    """`table` of a run's records, read from its `--out` file."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    stages = [r for r in lines if r.get("record") == "stage"]
+    end = next((r for r in lines if r.get("record") == "end"), None)
+    head = next((r for r in lines if r.get("record") == "meta"), {})
+    points = [{k: v for k, v in r.items() if k not in ("record", "time", "load")}
+              for r in lines if r.get("record") == "latency_point"]
+    if points and not any(r["stage"] == "acting_latency" for r in stages):  # cut in it
+        stages.insert(0, {"stage": "acting_latency", "points": points,
+                          "num_groups": head.get("args", {}).get("async_factor", "?")})
+    if end is not None:
+        return table(stages, f"{end['device']} ({end['device_kind']})",
+                     end["targets_apply"], end["seconds"])
+    device = (head.get("devices") or ["unknown"])[0]
+    seconds = sum(r.get("elapsed_seconds", 0.0) for r in stages)
+    return table(stages, f"{device} (cut short: stages after these not run)",
+                 not device.startswith("cpu") and device != "unknown", seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table_from:
+        print(table_from(args.table_from))
+        return 0
     import jax
 
     started = time.perf_counter()
@@ -640,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         functions = _stage_functions()
         records, failed = [], False
         args.deadline = started + args.max_seconds
+        args.record, args.last_warmup_s = record, 0.0
         for name in args.stages:
             t0 = time.perf_counter()
             if t0 > args.deadline:

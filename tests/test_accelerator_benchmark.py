@@ -32,8 +32,13 @@ def _stages(printed: list[dict]) -> dict[str, dict]:
 def test_smoke_runs_every_stage_and_leaves_nothing(smoke):
     code, _, stderr, printed, written, gone = smoke
     assert code == 0, stderr
-    assert [r["record"] for r in printed] == ["meta"] + ["stage"] * len(accelerator.STAGES) \
-        + ["end"]
+    points = [r for r in printed if r["record"] == "latency_point"]
+    assert [r["record"] for r in printed if r not in points] == ["meta"] + ["stage"] * len(
+        accelerator.STAGES) + ["end"]
+    # The latency stage's points are written as they come, and again in its record.
+    assert [{k: v for k, v in p.items() if k not in ("record", "time", "load")}
+            for p in points] \
+        == _stages(printed)["acting_latency"]["points"]
     assert list(_stages(printed)) == list(accelerator.STAGES)
     assert written == printed  # --out holds the same records
     end = printed[-1]
@@ -44,6 +49,19 @@ def test_smoke_runs_every_stage_and_leaves_nothing(smoke):
         assert "error" not in rec, rec
         if "skipped" in rec:  # only the training stages may be, without their envs
             assert not HAS_ENVPOOL and "envpool" in rec["skipped"]
+
+
+def test_the_table_of_a_run_is_rendered_again_from_its_records(smoke, tmp_path):
+    """`--table_from`: the records a run wrote give its table; a run cut short (no end
+    record, the last stages missing) gives the table of the stages it finished."""
+    _, stdout, _, _, written, _ = smoke
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in written))
+    assert accelerator.table_from(str(path)) in stdout
+    cut = [r for r in written if r["record"] in ("meta", "latency_point")]  # cut in it
+    path.write_text("".join(json.dumps(r) + "\n" for r in cut))
+    text = accelerator.table_from(str(path))
+    assert "cut short" in text and "mlp" in text and "acting_only" not in text
 
 
 def test_smoke_latency_per_network_and_envs_per_call(smoke):
