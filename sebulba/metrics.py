@@ -268,6 +268,7 @@ class Reporter:
         self._last_update: _Update | None = None
         # The scalars of the last row (step, scalars), waiting for its update's metrics.
         self._held_row: tuple[int, dict[str, float]] | None = None
+        self._accounting: Accounting | None = None  # the run's, from its first update
         self._eval_return: float | None = None  # the last evaluation's, for the bar
         self._evaluations_written = 0
         self._videos = ThreadPoolExecutor(1, thread_name_prefix="sebulba-video-writer")
@@ -285,6 +286,13 @@ class Reporter:
         return self.step_offset + info.accounting.consumed * self.num_processes
 
     def __call__(self, info: UpdateInfo) -> None:
+        if self._accounting is None:
+            self._accounting = info.accounting
+        elif info.accounting is not self._accounting:
+            # Its steps, episodes and evaluations count from a run's start.
+            raise ValueError("a Reporter reports one run, and this update is of another: "
+                             "make a Reporter for each run (a resumed run's step_offset "
+                             "is the env steps before it)")
         step = self.global_step(info)
         if self._bar is not None:
             self._bar.update(step - self._bar.n)

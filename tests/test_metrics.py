@@ -175,6 +175,10 @@ def test_a_row_holds_its_own_updates_metrics_and_close_writes_the_last_row_witho
     reporter.close()  # no finish: the run raised
     assert [(step, s["learner/version"], s.get("learner/loss")) for step, s in rows] == [
         (100, 1, 10.0), (200, 2, 20.0), (300, 3, None)]
+    # A second run's updates (their own Accounting) are refused, not drawn over the first's.
+    with pytest.raises(ValueError, match="a Reporter reports one run"):
+        reporter(types.SimpleNamespace(accounting=Accounting(), version=1, metrics={},
+                                       evaluations=()))
 
 
 @pytest.mark.timeout(120)
