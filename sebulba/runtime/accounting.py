@@ -34,7 +34,8 @@ class Accounting:
     env steps of this process (agent steps with several agents per env):
 
     Attributes:
-      env_steps: env steps taken by the env groups so far (reset steps included).
+      env_steps: env steps taken by the env groups so far (an autoreset, the step after
+        an episode ends, included; an env's first reset is not a step).
       consumed: env steps in the trajectories the learner has taken.
       dropped: env steps in trajectories dropped from a full queue.
       trajectories_consumed, trajectories_dropped: the same, in trajectories (one env
@@ -170,7 +171,8 @@ class RunResult:
     """What `Sebulba.run` returns.
 
     Attributes:
-      env_steps: env steps taken by this process's env groups (reset steps included).
+      env_steps: env steps taken by this process's env groups (an autoreset, the step
+        after an episode ends, included; an env's first reset is not a step).
       consumed: env steps the learner learnt from (this process's; `global_consumed`
         is the run's).
       dropped: env steps in trajectories dropped from a full queue (`drop_when_full`).
