@@ -137,6 +137,19 @@ class MadeOnlyInTheParentEnv(CountingEnv):
         super().__init__()
 
 
+class LongErrorEnv(CountingEnv):
+    """Raises an error of a 25 KB message at its first step, or with `when="made"` in a
+    worker's constructor: three such reports fill a pipe's 64 KiB."""
+
+    def __init__(self, when: str = "step"):
+        if when == "made" and multiprocessing.parent_process() is not None:
+            raise EnvStepError("cannot be made: " + "y" * 25_000)
+        super().__init__()
+
+    def step(self, action):
+        raise EnvStepError("the step failed: " + "x" * 25_000)
+
+
 class SpaceByProcessEnv(CountingEnv):
     """Its observation space's bound is its process id: workers disagree with the parent."""
 

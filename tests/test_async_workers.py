@@ -24,6 +24,7 @@ from tests.envs import (
     CountingEnv,
     EnvStepError,
     IgnoresSigtermEnv,
+    LongErrorEnv,
     MadeOnlyInTheParentEnv,
     RaisesThenDiesInCloseEnv,
     RaisingEnv,
@@ -178,6 +179,24 @@ def test_an_env_that_cannot_be_made_in_its_worker_raises_its_own_error(no_leftov
         make_vector_env(MadeOnlyInTheParentEnv, 2, "async")
     cause = str(info.value.__cause__)  # the worker's traceback, down to the constructor
     assert "in __init__" in cause and 'raise EnvStepError("this env cannot' in cause
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["step", "made"])
+def test_many_workers_failing_at_once_raise_the_error_not_a_wait(when, no_leftovers):
+    """Their reports share one pipe: once they fill it, a worker that waited for its
+    report to be read before it replied waited for ever (the parent reads the replies
+    first), and a failed start was a make timeout instead of the env's error."""
+    env = functools.partial(LongErrorEnv, when)
+    with pytest.raises(EnvStepError, match="the step failed" if when == "step"
+                       else "cannot be made") as info:
+        vec = make_vector_env(env, 4, "async")
+        try:
+            vec.reset(seed=0)
+            vec.step(np.zeros(4, np.int64))
+        finally:
+            close_vector_env(vec)
+    assert "workers [0, 1, 2, 3] of 4 failed" in str(info.value.__cause__)
 
 
 @pytest.mark.timeout(60)

@@ -416,14 +416,17 @@ def env_worker(index: int, env_fn: Callable[[], gym.Env], pipe: Connection,
     except (KeyboardInterrupt, Exception):  # the reply to the command under way (or the
         error_type, error, _ = sys.exc_info()  # first one, for an env that cannot be made)
         error_queue.put(_error_report(index, error_type, error, traceback.format_exc()))
-        # In the queue's pipe before the reply: a close that then kills the process (a
-        # simulator's segfault) must not take the report with it.
-        error_queue.close()
-        error_queue.join_thread()
         if env is None:  # not made: reply to the parent's first command, not before it
             with contextlib.suppress(*PIPE_ERRORS):
                 pipe.recv()
+        # The reply, then the report wholly in the queue's pipe before the env's close (a
+        # close that kills the process, a simulator's segfault, must not take the report
+        # with it). Not the report first: the workers share the queue's pipe, and once
+        # their reports fill it (64 KiB: a dozen tracebacks) the rest would wait for the
+        # parent to read them, while the parent waits for their replies first.
         pipe.send((None, False))
+        error_queue.close()
+        error_queue.join_thread()
     finally:
         if env is not None:
             env.close()
