@@ -265,6 +265,21 @@ class ClosesIntoAFileEnv(CountingEnv):
         super().close()
 
 
+class SpaceByProcessClosesIntoADirEnv(SpaceByProcessEnv):
+    """SpaceByProcessEnv (an async start that fails in the parent's check of the spaces,
+    after every worker made its env) that writes a file named after its process in
+    `directory` when closed."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self.directory = directory
+
+    def close(self):
+        with open(os.path.join(self.directory, str(os.getpid())), "w"):
+            pass
+        super().close()
+
+
 class RaisesThenDiesInCloseEnv(CountingEnv):
     """Its step raises; its close then ends the process at once (as a simulator's crash
     in its own close would), before any thread of it can finish its work."""

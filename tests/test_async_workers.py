@@ -30,6 +30,7 @@ from tests.envs import (
     RaisingEnv,
     RandomObservationEnv,
     SlowToMakeEnv,
+    SpaceByProcessClosesIntoADirEnv,
     SpaceByProcessEnv,
 )
 
@@ -205,6 +206,17 @@ def test_no_worker_outlives_a_failed_start(no_leftovers):
     with pytest.raises(RuntimeError, match="observation space"):
         make_vector_env(SpaceByProcessEnv, 2, "async")
     assert multiprocessing.active_children() == []  # at once: no garbage collection needed
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_start_closes_the_envs_its_workers_made(tmp_path, no_leftovers):
+    """An env may own processes of its own (a simulator's server), which only its close
+    ends: killing its worker would leave them."""
+    with pytest.raises(RuntimeError, match="observation space"):
+        make_vector_env(functools.partial(SpaceByProcessClosesIntoADirEnv, str(tmp_path)),
+                        2, "async")
+    closed_in = {int(p.name) for p in tmp_path.iterdir()} - {os.getpid()}
+    assert len(closed_in) == 2  # each worker's env
 
 
 @pytest.mark.timeout(60)

@@ -197,6 +197,10 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             if isinstance(e, PIPE_ERRORS) and not isinstance(e.__cause__, RemoteTraceback):
                 error = worker_death_error(getattr(self, "processes", []), "starting",
                                            kwargs.get("context"))
+            elif not getattr(self, "_stuck_making", False):
+                # The workers that made their env close it (a simulator's server with it);
+                # those that failed have ended, those still making it would not answer.
+                self._ask_workers_to_close()
             self._stop_workers()
             self.closed = True  # nothing left for __del__ to close
             if error is None:
@@ -217,6 +221,7 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             ready = multiprocessing.connection.wait(
                 waiting, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                self._stuck_making = True
                 late = [self.parent_pipes.index(p) for p in waiting]
                 raise RuntimeError(
                     f"async env workers {late} of {self.num_envs} did not make their env "
