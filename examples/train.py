@@ -449,7 +449,10 @@ def open_checkpoints() -> Checkpointer:
         raise no_checkpoint_error(directory)
     lock_logdir(_LOGDIR.value)
     check_writable(process_directory(os.path.abspath(directory), jax.process_index()))
-    return Checkpointer(directory, max_to_keep=checkpoints_to_keep(), primary_only=True)
+    # Process 0 writes the directory (the others their own parts, beside it), under the
+    # lock: it alone removes the partial saves of a run killed while it saved.
+    return Checkpointer(directory, max_to_keep=checkpoints_to_keep(), primary_only=True,
+                        clean_partial_saves=jax.process_index() == 0)
 
 
 def checkpoints_to_keep() -> int:

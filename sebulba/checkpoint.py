@@ -285,9 +285,13 @@ class Checkpointer:
 
     In a multi-process run only process 0 should make one (every process holds the same
     networks); pass `primary_only=True` there so orbax does not wait for the others.
+    `clean_partial_saves`: remove what saves cut short left (a process killed while it
+    saved: a preemption's grace that ran out), for the one writer of `directory` only
+    (a reader would remove a save under way).
     """
 
-    def __init__(self, directory: str, *, max_to_keep: int = 3, primary_only: bool = False):
+    def __init__(self, directory: str, *, max_to_keep: int = 3, primary_only: bool = False,
+                 clean_partial_saves: bool = False):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = os.path.abspath(directory)
@@ -306,6 +310,9 @@ class Checkpointer:
                     primary_host=jax.process_index(), active_processes={jax.process_index()}
                 ),
             )
+        if clean_partial_saves:  # (orbax 0.12's manager does not act on its own option)
+            for tmp in ocp.path.step.all_temporary_paths(self.directory):
+                shutil.rmtree(tmp.get(), ignore_errors=True)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_names=("nets", "opt", "experience", "step_state", "meta"))

@@ -76,6 +76,23 @@ def test_a_step_at_or_below_the_latest_is_refused_not_skipped(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_the_writer_removes_the_partial_saves_of_a_run_killed_while_it_saved(tmp_path):
+    """A process killed mid-save (a preemption grace that ran out) leaves orbax's
+    temporary directory, as large as a checkpoint; a reader (evaluate.py beside a run
+    that is saving) must not remove a save under way."""
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)
+    checkpointer.save(10, nets={"w": jnp.ones(3)}, opt=(), counters={"consumed": 10},
+                      metadata={"agent": "a"})
+    checkpointer.close()
+    (tmp_path / "20.orbax-checkpoint-tmp" / "nets").mkdir(parents=True)
+    Checkpointer(str(tmp_path)).close()
+    assert partial_dirs(tmp_path) == ["20.orbax-checkpoint-tmp"]
+    writer = Checkpointer(str(tmp_path), clean_partial_saves=True)
+    assert partial_dirs(tmp_path) == [] and writer.all_steps() == [10]
+    writer.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_failed_save_names_the_path_and_cause_removes_its_partial_directory(tmp_path):
     checkpointer = Checkpointer(str(tmp_path), max_to_keep=3)
     small = {"w": jnp.ones(10)}
@@ -144,6 +161,8 @@ def test_a_save_that_fails_mid_run_stops_the_run_with_one_line(tmp_path):
     saved = sorted(os.listdir(checkpoints))
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints, copy)
+    # A save of an earlier run killed midway: the resumed run removes it as it starts.
+    (checkpoints / "1500.orbax-checkpoint-tmp").mkdir()
     # Networks of about 1 MiB do not fit under the limit; the run's other files (its
     # metrics, events, the probe) do.
     resumed = launch(f"--logdir={logdir}", "--resume", "--total_env_steps=4000", *big,
