@@ -165,13 +165,16 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
 
 def run_layout(loop: sebulba.Sebulba) -> dict:
     """What the envs' step states and the experience of a checkpoint are shaped by
-    (`sebulba.checkpoint.LAYOUT_KEYS`): a resumed run must have the same."""
+    (`sebulba.checkpoint.LAYOUT_KEYS`: a resumed run must have the same;
+    `EXPERIENCE_LAYOUT_KEYS`: named where the experience does not fit)."""
     return {"envs_per_group": loop.config.envs_per_group,
             "async_factor": loop.config.async_factor,
             "inference_devices": len(loop.inference_devices),
             "num_processes": loop.num_processes,
             "agents_per_env": loop.layout.agents_per_env,
-            "learner_devices": len(loop.local_learner_devices)}
+            "learner_devices": len(loop.local_learner_devices),
+            "steps_per_cycle": loop.config.steps_per_cycle,
+            "trajectories_per_update": loop.config.trajectories_per_update}
 
 
 # The lock file of this process's run on its --logdir, open (and locked) until the process

@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -173,6 +173,10 @@ def _orbax_errors_held() -> Iterator[_HeldOrbaxErrors]:
 # device); the step states are per env.
 LAYOUT_KEYS = ("envs_per_group", "async_factor", "inference_devices", "num_processes",
                "agents_per_env", "learner_devices")
+# Recorded in the layout too, but a run may change them: they shape some agents'
+# experience only (a trajectory's T and K in PPO's, not a replay of transitions). An
+# experience that then does not fit is refused naming them.
+EXPERIENCE_LAYOUT_KEYS = ("steps_per_cycle", "trajectories_per_update")
 
 
 def layout_differences(checkpoint: Mapping[str, Any], run: Mapping[str, Any]) -> list[str]:
@@ -187,14 +191,19 @@ def layout_differences(checkpoint: Mapping[str, Any], run: Mapping[str, Any]) ->
             if k in theirs and theirs.get(k) != ours.get(k)]
 
 
-def _check_like(where: str, part: str, restored: PyTree, like: PyTree) -> None:
-    """CheckpointMismatch if a restored part's arrays are not shaped as the run's."""
+def _check_like(where: str, part: str, restored: PyTree, like: PyTree,
+                causes: Sequence[str] = ()) -> None:
+    """CheckpointMismatch if a restored part's arrays are not shaped as the run's; it
+    names `causes`, the run's settings that differ from the checkpoint's and shape it."""
     saved, wanted = tree_signature(restored), tree_signature(_to_savable(like))
     differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if differ:
+        because = (f"; this run differs in {', '.join(causes)}: resume with the "
+                   "checkpoint's, or start a new run") if causes else ""
         raise CheckpointMismatch(
             f"{where} holds {part} of another shape: " + ", ".join(
-                f"{k} (checkpoint {saved.get(k)}, run {wanted.get(k)})" for k in differ[:5]))
+                f"{k} (checkpoint {saved.get(k)}, run {wanted.get(k)})" for k in differ[:5])
+            + because)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,7 +474,13 @@ class Checkpointer:
                     f"{where}: its {k} is intact but does not fit this run's{settings}: "
                     f"resume with the checkpoint's settings, or start a new run "
                     f"({e.cause})") from e
-            _check_like(where, k, saved[k], v)
+            causes = ()
+            if k == "experience":
+                theirs, ours = meta.get("layout") or {}, metadata.get("layout") or {}
+                causes = [f"{key} {theirs[key]} (this run: {ours[key]})"
+                          for key in EXPERIENCE_LAYOUT_KEYS
+                          if key in theirs and key in ours and theirs[key] != ours[key]]
+            _check_like(where, k, saved[k], v, causes)
             out[k] = _from_saved(saved[k], v)
         return Restored(
             nets=out.get("nets"),

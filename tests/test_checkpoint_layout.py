@@ -121,6 +121,25 @@ def test_the_launcher_refuses_to_resume_into_another_layout(trained, flags, diff
     assert "Traceback" not in result.stderr and "env steps" not in result.stdout
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag,differ", [
+    ("--steps_per_cycle=16", "steps_per_cycle 8 (this run: 16)"),
+    ("--trajectories_per_update=2", "trajectories_per_update 1 (this run: 2)"),
+])
+def test_an_experience_that_does_not_fit_names_the_setting_that_shapes_it(trained, flag,
+                                                                         differ):
+    """PPO's experience is a trajectory of T steps and K items: a run may change them
+    (a replay of transitions does not depend on them), and a PPO checkpoint's experience
+    that then does not fit is refused naming them, not by its arrays' shapes alone."""
+    result = launcher_with_devices(f"--logdir={trained}", "--resume",
+                                   "--total_env_steps=2000", "--envs_per_group=8",
+                                   "--async_factor=2", *SMALL, flag)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "holds experience of another shape" in result.stderr
+    assert (f"this run differs in {differ}: resume with the checkpoint's, or start a new "
+            "run") in result.stderr
+
+
 @pytest.mark.timeout(200)
 def test_the_launcher_resumes_an_older_checkpoint_without_a_layout_and_says_so(trained,
                                                                               tmp_path):
