@@ -226,6 +226,7 @@ class BadOutputEnv(CountingEnv):
         "nan_observation": lambda obs, r, term, trunc: (
             np.array([obs[0], np.nan, obs[2]], np.float32), r, term, trunc, {}),
         "inf_reward": lambda obs, r, term, trunc: (obs, float("-inf"), term, trunc, {}),
+        "huge_reward": lambda obs, r, term, trunc: (obs, 1e39, term, trunc, {}),
         "complex_observation": lambda obs, r, term, trunc: (
             obs.astype(np.complex64), r, term, trunc, {}),
         "observation_alone": None,  # reset returns the observation without its info

@@ -29,6 +29,8 @@ NAMED = {
     "wrong_shape": ("observation", "has shape (2,), expected (3,) (the observation space's)"),
     "nan_observation": ("observation", "holds nan at index [1]; expected finite values"),
     "inf_reward": ("reward", "is -inf; expected a finite number"),
+    # Finite, but inf in the rows' float32.
+    "huge_reward": ("reward", "is 1e+39, beyond float32's range"),
     "complex_observation": ("observation", "has dtype complex64, which the observation "
                             "space's float32 cannot hold without changing values"),
     "observation_alone": ("reset's result", "is array([2., 0., 0.], dtype=float32) "
@@ -207,6 +209,10 @@ def test_envs_addressed_by_id_are_counted_one_by_one(monkeypatch):
     ("nan_observation", "agent 'agent_1' of env 1 of the 2 in its group, row 4), step 2: "
                         "observation holds nan at index [0]"),
     ("four_values", "env 1 of the 2 in its group), step 2: step's result is 4 values"),
+    # The joining agent's reward goes to the team's return only, where no batch check
+    # sees it.
+    ("joins_with_nan_reward", "agent 'agent_1' of env 1 of the 2 in its group, row 4), "
+                              "step 2: reward is nan"),
     ("complex_observation", "agent 'agent_1' of env 1 of the 2 in its group, row 4), step "
                             "2: observation has dtype complex64"),
 ])
@@ -224,9 +230,19 @@ def test_pettingzoo_names_the_agent_and_its_env(kind, named):
         def step(self, actions):
             obs, rewards, terms, truncs, infos = super().step(actions)
             self.steps += 1
+            if self.steps == 1 and self.seed_ == 1 and kind == "joins_with_nan_reward":
+                # agent_1 leaves (truncated) to join again at the next step
+                truncs["agent_1"] = True
+                self.agents = [a for a in self.agents if a != "agent_1"]
+                obs.pop("agent_1", None)
             if self.steps == 2 and self.seed_ == 1:
                 if kind == "four_values":
                     return obs, rewards, terms, infos
+                if kind == "joins_with_nan_reward":
+                    self.agents = sorted([*self.agents, "agent_1"])
+                    obs["agent_1"] = np.zeros_like(obs["agent_0"])
+                    rewards["agent_1"] = float("nan")
+                    return obs, rewards, terms, truncs, infos
                 if kind == "reward_none":
                     rewards["agent_1"] = None
                 elif kind == "complex_observation":

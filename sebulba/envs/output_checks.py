@@ -40,6 +40,9 @@ _REWARD_TYPES = frozenset({float, int, np.float64, np.float32, np.int64, np.int3
 _FLAG_TYPES = frozenset({bool, np.bool_})
 _INT_TYPES = frozenset({int, np.int64, np.int32})
 _STEP_FIELDS = "(observation, reward, terminated, truncated, info)"
+# The largest reward magnitude the rows hold (float32): `-LIMIT <= r <= LIMIT` is also
+# False for NaN, so one chained comparison checks a reward.
+REWARD_LIMIT = float(np.finfo(np.float32).max)
 
 
 class BadEnvOutput(ValueError):
@@ -138,6 +141,9 @@ def reward_problem(reward: Any) -> str | None:
         return f"is {_shown(reward)}; expected a real number"
     if not np.isfinite(reward):
         return f"is {reward}; expected a finite number"
+    if not -REWARD_LIMIT <= reward <= REWARD_LIMIT:
+        return (f"is {reward}, beyond float32's range (the rows hold rewards as float32: "
+                "it would be inf); scale it down")
     return None
 
 
@@ -176,8 +182,8 @@ def first_field_problem(obs: Any, reward: Any, terminated: Any, truncated: Any,
 
 class CheckedEnv(gym.Wrapper):
     """One env of a vector env, its outputs checked as they leave it (`BadEnvOutput`),
-    its reward's finiteness included (one subtraction here costs less than a numpy call
-    on the batch).
+    its reward's finiteness and range included (one comparison here costs less than a
+    numpy call on the batch).
 
     Sits inside sebulba's own `DesyncFirstEpisode`, around the env and the user's
     wrappers, so it sees what they return. The common case costs a few attribute and type
@@ -213,14 +219,15 @@ class CheckedEnv(gym.Wrapper):
                              step_problem(result)) from None
         # Three tiers, each costlier and rarer than the one before: Python's own types
         # (most envs'), checked by identity; the other common types (`fields_ok`); the
-        # `*_problem` functions, which name what is wrong. A reward r is finite if r - r
-        # is 0. This runs at every env step, for "sync" in the inferencer thread.
+        # `*_problem` functions, which name what is wrong. A reward is finite and in
+        # float32's range in one comparison (`REWARD_LIMIT`). This runs at every env
+        # step, for "sync" in the inferencer thread.
         if not (reward.__class__ is float and terminated.__class__ is bool
                 and truncated.__class__ is bool and obs.__class__ is np.ndarray
                 and obs.shape == self._shape and obs.dtype in self._dtypes
-                and reward - reward == 0) and not (
+                and -REWARD_LIMIT <= reward <= REWARD_LIMIT) and not (
                 fields_ok(obs, reward, terminated, truncated, self._form)
-                and reward - reward == 0):
+                and -REWARD_LIMIT <= reward <= REWARD_LIMIT):
             bad = first_field_problem(obs, reward, terminated, truncated, self._form)
             if bad is not None:
                 raise bad_output(self._name, self._place, self._step, *bad)

@@ -28,6 +28,7 @@ import numpy as np
 from sebulba.envs import observations
 from sebulba.envs.base import action_to_env, check_spaces, close_all, close_quietly
 from sebulba.envs.output_checks import (
+    REWARD_LIMIT,
     BadEnvOutput,
     BatchCheck,
     ObservationForm,
@@ -224,7 +225,10 @@ class ParallelEnvSource:
         agent = self.agents[row % self.agents_per_env]
         fields = (env_obs.get(agent, self._zero_obs), env_reward.get(agent, 0.0),
                   env_term.get(agent, False), env_trunc.get(agent, False))
-        if not fields_ok(*fields, self._obs_form):
+        # The reward's range too: the batch's check sees a row's reward, not one that goes
+        # to the team only (an agent's at the step it joins).
+        if not (fields_ok(*fields, self._obs_form)
+                and -REWARD_LIMIT <= fields[1] <= REWARD_LIMIT):
             bad = first_field_problem(*fields, self._obs_form)
             if bad is not None:
                 self._raise_bad(row, *bad)
