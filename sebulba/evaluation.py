@@ -357,7 +357,7 @@ def _render_fps(source: EnvSource, env_id: str | EnvFactory) -> int:
             entry = gym.spec(env_id).entry_point
             metadata = getattr(load_env_creator(entry) if isinstance(entry, str) else entry,
                                "metadata", None)
-        except (gym.error.Error, ImportError):  # not registered (EnvPool's Atari ids)
+        except (gym.error.Error, ImportError, AttributeError):  # (EnvPool's Atari ids)
             pass
     fps = (metadata or {}).get("render_fps")
     return int(fps) if fps else 30

@@ -164,7 +164,8 @@ def test_a_set_stop_event_ends_the_run_after_the_update_under_way(no_leftovers):
 @pytest.mark.timeout(120)
 def test_a_stop_in_the_last_update_ends_nothing_early(no_leftovers):
     """Every step consumed: not stopped early (a launcher would exit as preempted, and
-    its requeued run find nothing to do), and on_stop (a preempted run's save) not run."""
+    its requeued run find nothing to do); on_stop (a preempted run's save) still runs
+    before the shutdown, within the grace, as for any stop the learner saw."""
     stop, stops = threading.Event(), []
 
     def on_update(info):
@@ -174,7 +175,10 @@ def test_a_stop_in_the_last_update_ends_nothing_early(no_leftovers):
     result = counting_loop().run(4 * 4 * 3, on_update=on_update, stop=stop,
                                  on_stop=lambda: stops.append(1))
     assert result.learner_updates == 4 and result.consumed == 4 * 4 * 3
-    assert not result.stopped_early and stops == []
+    assert not result.stopped_early and stops == [1]
+    # Without a stop, no on_stop.
+    again = counting_loop().run(4 * 4 * 3, on_stop=lambda: stops.append(2))
+    assert not again.stopped_early and stops == [1]
 
 
 @pytest.mark.timeout(120)
@@ -195,6 +199,10 @@ def test_the_runs_wall_time_ends_with_its_last_update(no_leftovers):
     result = counting_loop().run(10**9, on_update=on_update, stop=stop, on_stop=on_stop)
     assert result.stopped_early and result.learner_updates == 2
     assert 0 < result.wall_seconds < seen["on_stop"] - start
+    # The rate counts the steps within that time, not those taken during on_stop.
+    assert 0 < result.timed_env_steps <= result.env_steps
+    assert result.steps_per_second == pytest.approx(
+        result.timed_env_steps / result.wall_seconds)
 
 
 @pytest.mark.timeout(120)

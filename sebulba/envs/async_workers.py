@@ -161,7 +161,8 @@ class RemoteTraceback(Exception):
 
 
 # How long the parent waits for the error report of a worker that replied "failed": the
-# worker flushes it to the error queue's pipe before it replies.
+# worker flushes it to the error queue's pipe right after its reply, before its env's
+# close.
 ERROR_REPORT_TIMEOUT_S = 10.0
 # How long closing waits for the workers to close their envs, and then for killed ones
 # to be reaped.
@@ -197,9 +198,10 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             if isinstance(e, PIPE_ERRORS) and not isinstance(e.__cause__, RemoteTraceback):
                 error = worker_death_error(getattr(self, "processes", []), "starting",
                                            kwargs.get("context"))
-            elif not getattr(self, "_stuck_making", False):
+            if not getattr(self, "_stuck_making", False):
                 # The workers that made their env close it (a simulator's server with it);
-                # those that failed have ended, those still making it would not answer.
+                # those that failed or died have ended, those still making it would not
+                # answer.
                 self._ask_workers_to_close()
             self._stop_workers()
             self.closed = True  # nothing left for __del__ to close

@@ -180,6 +180,8 @@ class RunResult:
         the queue, or taken by the learner for an update it did not make.
       wall_seconds: from the inferencer threads' start to the end of the learner's last
         update (the shutdown after it, and `on_stop`, not counted).
+      timed_env_steps: the env steps taken within `wall_seconds` (`steps_per_second`'s);
+        None: all of `env_steps` (a run that raised).
       episodes: (env_steps when it was counted, return, length) of the completed
         episodes, the most recent `EPISODE_WINDOW` of them (`episodes_total` counts
         all). An in-order loop counts the episodes that ended when it pushes a cycle (and
@@ -266,6 +268,7 @@ class RunResult:
     evaluations_abandoned: int = 0
     evaluation_videos_cut: int = 0
     evaluations_passed_over: int = 0
+    timed_env_steps: int | None = None
 
     @property
     def team_steps(self) -> int:
@@ -281,7 +284,8 @@ class RunResult:
     def steps_per_second(self) -> float:
         """Env steps this process's envs took per second of `wall_seconds` (agent steps
         for multi-agent envs; 0.0 for a run of no wall time)."""
-        return self.env_steps / self.wall_seconds if self.wall_seconds > 0 else 0.0
+        steps = self.env_steps if self.timed_env_steps is None else self.timed_env_steps
+        return steps / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
     def consumed_steps_per_second(self) -> float:

@@ -129,8 +129,10 @@ class _Run:
     evaluator: Evaluator | None = None
     evaluations: list[Evaluation] = dataclasses.field(default_factory=list)
     stopped_early: bool = False
+    stop_seen: bool = False  # by the learner, also in its last update (on_stop then)
     start: float = dataclasses.field(default_factory=time.perf_counter)
     wall: float = 0.0
+    timed_env_steps: int | None = None  # the env steps within `wall`
 
 
 class Sebulba:
@@ -280,7 +282,10 @@ class Sebulba:
             # The run's time ends with its last update: not the shutdown (threads joined,
             # envs closed, one after another) nor on_stop's save.
             run.wall = time.perf_counter() - run.start
-            if run.stopped_early and on_stop is not None:
+            run.timed_env_steps = run.accounting.env_steps
+            # A stop seen in the last update ends nothing early, but its save (a
+            # preemption's) still comes before the shutdown, within the grace.
+            if run.stop_seen and on_stop is not None:
                 on_stop()
         finally:
             still_alive = self._stop(run)
@@ -412,7 +417,7 @@ class Sebulba:
         while accounting.consumed * self.num_processes < total_env_steps:
             item = self._get(run, stop if self.num_processes == 1 else None)
             if item is None:  # stopped while waiting: the last update is the cut
-                run.stopped_early = True
+                run.stopped_early = run.stop_seen = True
                 return
             run.popped.append(item)
             if len(run.popped) < self.config.trajectories_per_update:
@@ -434,6 +439,7 @@ class Sebulba:
             # during the last update ends nothing early: every step is consumed.
             if run.stopped_early or (self.num_processes == 1 and stop is not None
                                      and stop.is_set()):
+                run.stop_seen = True
                 run.stopped_early = (accounting.consumed * self.num_processes
                                      < total_env_steps)
                 return
@@ -512,6 +518,7 @@ class Sebulba:
             dropped=accounting.dropped,
             in_flight=in_flight,
             wall_seconds=run.wall,
+            timed_env_steps=run.timed_env_steps,
             episodes=episodes,
             policy_lags=policy_lags,
             episodes_total=accounting.episodes_total,

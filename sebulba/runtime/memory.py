@@ -6,7 +6,10 @@ killer, or swap so hard that it cannot stop within a preemption's grace. The est
 is the lower bound of what the run allocates, from the shapes the agent declares
 (traced with `jax.eval_shape`, so nothing is allocated to find them):
 
-- trajectories: one being recorded on the host per env group, and the queue's items
+- trajectories: one being recorded on the host per env group (a source driven by env
+  id, "envpool_async", holds up to 3 of a group open while its envs drift apart, more
+  while they cannot wait, and StepState snapshots beside them: not counted), and the
+  queue's items
   (plus the K an update takes, with their initial and final step states, and their
   join's copy where K > 1) on the learner devices;
 - step states: every env's, on the inference devices, and the learner's copy of the
