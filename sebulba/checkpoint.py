@@ -191,6 +191,16 @@ def layout_differences(checkpoint: Mapping[str, Any], run: Mapping[str, Any]) ->
             if k in theirs and theirs.get(k) != ours.get(k)]
 
 
+def _shaped_by(part: str, checkpoint: Mapping[str, Any], run: Mapping[str, Any]
+               ) -> list[str]:
+    """The settings that shape `part` of a checkpoint (its experience: the run layout's
+    `EXPERIENCE_LAYOUT_KEYS`) in which the run differs from it, named."""
+    theirs, ours = checkpoint.get("layout") or {}, run.get("layout") or {}
+    return [f"{key} {theirs[key]} (this run: {ours[key]})"
+            for key in (EXPERIENCE_LAYOUT_KEYS if part == "experience" else ())
+            if key in theirs and key in ours and theirs[key] != ours[key]]
+
+
 def _check_like(where: str, part: str, restored: PyTree, like: PyTree,
                 causes: Sequence[str] = ()) -> None:
     """CheckpointMismatch if a restored part's arrays are not shaped as the run's; it
@@ -474,13 +484,7 @@ class Checkpointer:
                     f"{where}: its {k} is intact but does not fit this run's{settings}: "
                     f"resume with the checkpoint's settings, or start a new run "
                     f"({e.cause})") from e
-            causes = ()
-            if k == "experience":
-                theirs, ours = meta.get("layout") or {}, metadata.get("layout") or {}
-                causes = [f"{key} {theirs[key]} (this run: {ours[key]})"
-                          for key in EXPERIENCE_LAYOUT_KEYS
-                          if key in theirs and key in ours and theirs[key] != ours[key]]
-            _check_like(where, k, saved[k], v, causes)
+            _check_like(where, k, saved[k], v, _shaped_by(k, meta, metadata))
             out[k] = _from_saved(saved[k], v)
         return Restored(
             nets=out.get("nets"),
@@ -720,7 +724,8 @@ class ProcessCheckpointer:
                     leaves = self._read(step, part, lambda keys=keys: [
                         np.asarray(saved[k]) for k in keys])
                     tree = jax.tree.unflatten(treedef, leaves)
-                    _check_like(f"checkpoint {step} in {self.directory}", part, tree, like)
+                    _check_like(f"checkpoint {step} in {self.directory}", part, tree, like,
+                                _shaped_by(part, meta, metadata))
                     out[part] = _from_saved(tree, like)
         return Restored(nets=None, opt=None, local_experience=out.get("experience"),
                         step_state=out.get("step_state"), counters=dict(meta["counters"]),
