@@ -60,17 +60,21 @@ def main(argv: list[str]) -> None:
             f"{vectorization!r}: {why}")
     greedy = not _SAMPLED.value
     wrappers = meta.get("env_wrappers") or ()
+    # The acting networks the learner published at the checkpoint (a schedule they follow)
+    updates = meta["counters"].get("learner_updates", 0)
     result = evaluate(agent, nets, meta["env"], _EPISODES.value, greedy=greedy,
                       num_envs=_NUM_ENVS.value, seed=_SEED.value,
                       env_kwargs=meta["env_kwargs"], vectorization=vectorization,
-                      agent_ids=meta.get("agent_ids", False), env_wrappers=wrappers)
+                      agent_ids=meta.get("agent_ids", False), env_wrappers=wrappers,
+                      learner_updates=updates)
     report = {"checkpoint_env_steps": meta["counters"]["consumed"], "greedy": greedy,
               **result.as_dict()}
     if _VIDEO_DIR.value:
         report["video_return"] = record_video(agent, nets, meta["env"], _VIDEO_DIR.value,
                                               greedy=greedy, seed=_SEED.value,
                                               env_kwargs=meta["env_kwargs"],
-                                              env_wrappers=wrappers)
+                                              env_wrappers=wrappers,
+                                              learner_updates=updates)
         report["video_dir"] = _VIDEO_DIR.value
     print(json_line(report))
 

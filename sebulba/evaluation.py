@@ -170,12 +170,15 @@ def evaluate(
     vectorization: str = "sync",
     agent_ids: bool = False,
     env_wrappers: str | Sequence[EnvWrapper] = (),
+    learner_updates: int = 0,
 ) -> EvaluationResult:
     """Runs `agent` (greedy or sampled) for `num_episodes` complete episodes on
     `min(num_envs, num_episodes)` envs (see `EpisodeRunner`).
 
     `nets` are the learner's networks (as a run or a checkpoint holds them); the agent
-    acts on `agent.acting_nets(nets, 0)`, what the learner would publish.
+    acts on `agent.acting_nets(nets, learner_updates)`, what the learner publishes after
+    that many updates (a schedule the acting networks follow: an exploration epsilon).
+    A checkpoint's counters hold them.
     `vectorization` is a kind that supports evaluation (its `evaluate_as` is not None)
     and whose source of one group returns every env of it at each recv (in any order:
     rows are put in env order): "sync", "envpool" (one synchronous pool), "pettingzoo"
@@ -194,7 +197,7 @@ def evaluate(
     if num_episodes < 1 or num_envs < 1:
         raise ValueError(f"num_episodes and num_envs must be >= 1, got {num_episodes}, {num_envs}")
     num_envs = min(num_envs, num_episodes)
-    nets = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
+    nets = jax.jit(agent.acting_nets)(nets, jnp.asarray(learner_updates, jnp.int32))
     # A source seeded when made (EnvPool) takes the seed here, the others at reset.
     request = registry.SourceRequest(env, dict(env_kwargs or {}), num_envs, seed=seed,
                                      agent_ids=agent_ids,
@@ -375,17 +378,18 @@ def record_video(
     vectorization: str = "sync",
     name: str = "episode",
     env_wrappers: str | Sequence[EnvWrapper] = (),
+    learner_updates: int = 0,
 ) -> float:
     """Records one episode to `video_dir/name.mp4`; returns the episode's return. The env
     must render (render_mode="rgb_array"): ValueError otherwise. `env_wrappers` wrap it as
     `Config.env_wrappers` wrap a run's envs (vectorizations that make each env: "sync",
     "async"), so a policy trained through wrappers sees what it learnt from; the frames
-    are the env's own."""
+    are the env's own. `learner_updates` as `evaluate`'s."""
     recorder = VideoRecorder(agent, vectorization, registry.SourceRequest(
         env, dict(env_kwargs or {}), 1, seed=seed, env_wrappers=parse_wrappers(env_wrappers)),
         greedy=greedy)
     try:
-        acting = jax.jit(agent.acting_nets)(nets, jnp.zeros((), jnp.int32))
+        acting = jax.jit(agent.acting_nets)(nets, jnp.asarray(learner_updates, jnp.int32))
         frames, episode_return = recorder.record(acting, seed)
         save_video(frames, video_dir, name, recorder.fps)
     finally:

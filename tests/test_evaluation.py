@@ -154,6 +154,44 @@ def test_settings_a_vectorization_cannot_honour_are_refused_as_a_run_refuses_the
         evaluate(agent, nets, "CartPole-v1", 2, num_envs=2, agent_ids=True)
 
 
+class PaysForOne(gym.Env):
+    """Episodes of 3 steps; reward 1 for action 1, 0 for action 0."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(1, np.float32), float(action), self.t == 3, False, {}
+
+
+class ExploresUntilFiveUpdates(SPG):
+    """Acting networks that follow the learner's progress (as an exploration schedule
+    does): action 0 before 5 learner updates, 1 from then on."""
+
+    def acting_nets(self, nets, learner_updates):
+        return {"nets": nets, "late": learner_updates >= 5}
+
+    def greedy_step(self, step_state, nets, env_step):
+        output, state = super().greedy_step(step_state, nets["nets"], env_step)
+        action = jax.numpy.broadcast_to(nets["late"], output.action.shape)
+        return output._replace(action=action.astype(output.action.dtype)), state
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_acts_with_the_networks_published_after_the_checkpoints_updates():
+    agent = ExploresUntilFiveUpdates(sebulba.env_spec(PaysForOne))
+    nets = agent.new_networks(jax.random.key(0))
+    assert evaluate(agent, nets, PaysForOne, 2, num_envs=2).returns == [0.0, 0.0]
+    late = evaluate(agent, nets, PaysForOne, 2, num_envs=2, learner_updates=7)
+    assert late.returns == [3.0, 3.0]
+
+
 class StopAfter:
     """A stop flag that is set from its n+1-th look on."""
 
