@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from sebulba import plot
 from sebulba.runtime import bottleneck
 from sebulba.runtime.accounting import Accounting, RunResult
 from sebulba.runtime.evaluator import Evaluation
@@ -191,8 +192,14 @@ def _call_each(calls: Iterable[Callable[[], None]]) -> None:
 
 
 def default_writers(logdir: str, purge_step: int | None = None) -> MultiWriter:
-    """TensorBoard events and `metrics.jsonl` in `logdir` (`purge_step`: see
-    `TensorBoardWriter`; plot.py drops the superseded JSON lines itself)."""
+    """TensorBoard events and `metrics.jsonl` in `logdir`, for a run that starts at env
+    step `purge_step - 1` (None: 0). `purge_step`: see `TensorBoardWriter`. The JSON
+    lines are appended: the start goes to `plot.STARTS_FILE`, from which plot.py drops
+    the lines an earlier run wrote past it."""
+    os.makedirs(logdir, exist_ok=True)
+    with open(os.path.join(logdir, plot.STARTS_FILE), "a") as f:
+        f.write(json.dumps({"step": 0 if purge_step is None else purge_step - 1,
+                            "time": time.time()}) + "\n")
     return MultiWriter([TensorBoardWriter(logdir, purge_step),
                         JsonLinesWriter(os.path.join(logdir, "metrics.jsonl"))])
 

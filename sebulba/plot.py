@@ -28,8 +28,12 @@ mean ± standard deviation): each run is interpolated linearly onto a common gri
 spans the x range every run of the group covers (never extrapolated).
 
 A resumed run appends to its logdir's file, its env steps going on from its checkpoint:
-the rows from before the resume at or past the env step of its first training row are
-dropped (the resumed run logs those steps again).
+each start of a run in the logdir is a line of `starts.jsonl` (when, and from which env
+step: `sebulba.metrics.default_writers` writes it), and the rows written before a start
+past its step are dropped (the resumed run logs those steps again; a fresh run in the
+logdir of one that died before its first checkpoint starts from 0). For a logdir
+without that file, the rows from before a resume at or past the env step of its first
+training row are dropped.
 
 The reading, grouping and resampling are plain functions (numpy only); matplotlib
 (`pip install -e '.[plot]' in sebulba's checkout`) is needed only to draw.
@@ -49,6 +53,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+STARTS_FILE = "starts.jsonl"  # {"time": ..., "step": ...} per start of a run in the logdir
 TRAIN_RETURNS = ("episode/return", "episode/team_return")
 EVAL_RETURNS = ("eval/return", "eval/team_return")
 THROUGHPUT = "throughput/consumed_steps_per_second"
@@ -139,10 +144,15 @@ def _is_eval(row: Mapping) -> bool:
     return any(key.startswith("eval/") for key in row)
 
 
-def resolve_resumes(rows: Sequence[Mapping]) -> list[Mapping]:
-    """The rows without those a resumed run superseded: a training row whose env step is
-    not past the training row before it starts a resumed run's rows, and every earlier
-    row (training or evaluation) at or past its step is dropped."""
+def resolve_resumes(rows: Sequence[Mapping], starts: Sequence[Mapping] = ()
+                    ) -> list[Mapping]:
+    """The rows without those a resumed run superseded. With `starts` (the logdir's
+    `STARTS_FILE`), a row written before a start and past its env step is dropped.
+    Without, a training row whose env step is not past the training row before it starts
+    a resumed run's rows, and every earlier row (training or evaluation) at or past its
+    step is dropped."""
+    for start in starts:
+        rows = [r for r in rows if r["time"] >= start["time"] or r["step"] <= start["step"]]
     kept: list[Mapping] = []
     last_train_step = -math.inf
     for row in rows:
@@ -162,7 +172,9 @@ def read_run(logdir: str) -> Run:
         what = "does not exist" if not os.path.exists(logdir) else f"has no {METRICS_FILE}"
         raise PlotError(f"{logdir} {what}: expected the --logdir of a run of "
                         "examples/train.py")
-    rows = resolve_resumes(read_rows(path))
+    starts_path = os.path.join(logdir, STARTS_FILE)
+    starts = read_rows(starts_path) if os.path.isfile(starts_path) else []
+    rows = resolve_resumes(read_rows(path), starts)
     run = Run(logdir, tuple(rows))
     if not any(run.has(key) for key in TRAIN_RETURNS + EVAL_RETURNS):
         raise PlotError(
@@ -265,7 +277,14 @@ def panel_curves(panel: Panel, groups: Mapping[str, Sequence[Run]], *, window: i
             series = [run.series(key, panel.x) for run in runs if run.has(key)]
             if series:
                 series = [(x, smooth(y, window)) for x, y in series]
-                curves.append((name, key, aggregate(name, series, spread=spread)))
+                try:
+                    curves.append((name, key, aggregate(name, series, spread=spread)))
+                except PlotError as e:  # no common range here (evaluations of seeds
+                    # that fell at different updates): each run as it is, said
+                    print(f"sebulba-plot: {panel.title}: {e}; drawn run by run",
+                          file=sys.stderr)
+                    curves += [(name, key, aggregate(f"{name} [{i}]", [one]))
+                               for i, one in enumerate(series)]
     return curves
 
 

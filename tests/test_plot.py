@@ -58,6 +58,8 @@ def test_a_launcher_run_reads_as_its_rows(launcher_run):
     run = plot.read_run(launcher_run)
     with open(os.path.join(launcher_run, plot.METRICS_FILE)) as f:
         assert len(run.rows) == sum(1 for _ in f)  # one process, nothing superseded
+    (start,) = plot.read_rows(os.path.join(launcher_run, plot.STARTS_FILE))
+    assert start["step"] == 0 and start["time"] <= run.rows[0]["time"]  # a fresh run
     steps, returns = run.series("episode/return")
     assert len(steps) >= 3 and np.all(np.diff(steps) > 0) and steps[-1] <= 12000 + 2048
     assert np.all(returns >= 8)  # CartPole episodes last at least 8 steps
@@ -137,6 +139,37 @@ def test_a_resumed_run_replaces_the_rows_it_logs_again(tmp_path):
     np.testing.assert_array_equal(run.series("eval/return")[0], [150, 350])
     np.testing.assert_array_equal(run.series("episode/return", "wall_time")[0],
                                   [0, 1, 9000, 9001])
+
+
+def write_starts(logdir, starts) -> None:
+    with open(os.path.join(logdir, plot.STARTS_FILE), "w") as f:
+        f.writelines(json.dumps({"step": step, "time": time}) + "\n" for step, time in starts)
+
+
+def test_the_starts_file_drops_what_an_earlier_run_wrote_past_the_step_resumed_from(
+        tmp_path):
+    # Killed at 52000 (no save after 50000), resumed from 50000: its 52000 rows are not
+    # logged again before 60000, and the resumed run's first evaluation (written before
+    # its training row of the same step) stays.
+    rows = [train_row(10000, 0.0, 1.0), train_row(50000, 5.0, 5.0),
+            train_row(52000, 5.2, 6.0), eval_row(52000, 5.3, 60.0),
+            eval_row(60000, 100.0, 70.0), train_row(60000, 100.1, 7.0),
+            train_row(70000, 101.0, 8.0)]
+    logdir = write_rows(tmp_path / "killed", rows)
+    write_starts(logdir, [(0, -1.0), (50000, 99.0)])
+    run = plot.read_run(logdir)
+    np.testing.assert_array_equal(run.series("episode/return")[0], [10000, 50000, 60000,
+                                                                    70000])
+    np.testing.assert_array_equal(run.series("eval/return")[0], [60000])
+    # A fresh run in the logdir of one that died before its first checkpoint: all of the
+    # earlier run's rows go, and its wall time starts at the new run's first row.
+    rows = [train_row(51200, 0.0, 1.0), train_row(51712, 3600.0, 2.0),
+            train_row(103424, 3605.0, 3.0)]
+    logdir = write_rows(tmp_path / "restarted", rows)
+    write_starts(logdir, [(0, -1.0), (0, 3599.0)])
+    run = plot.read_run(logdir)
+    np.testing.assert_array_equal(run.series("episode/return")[0], [51712, 103424])
+    np.testing.assert_array_equal(run.series("episode/return", "wall_time")[0], [0, 5])
 
 
 def test_evaluation_and_team_returns_are_curves_of_their_panels(tmp_path):
@@ -241,8 +274,15 @@ def test_errors_are_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
     assert "broken/metrics.jsonl:2 is not JSON" in error_of([broken, "-o", out], capsys)
     a = write_rows(tmp_path / "a_seed0", [train_row(0, 0.0, 1.0), train_row(100, 1.0, 1.0)])
     b = write_rows(tmp_path / "a_seed1", [train_row(200, 0.0, 1.0), train_row(300, 1.0, 1.0)])
-    assert "share no x range (theirs: [0, 100], [200, 300])" in error_of(
-        [a, b, "-o", out], capsys)
+    # Seeds of no common range in a panel (evaluations that fell at different updates)
+    # are drawn there run by run, said on stderr; the other panels as usual.
+    plot.main([a, b, "-o", out])
+    err = capsys.readouterr().err
+    assert err.startswith("sebulba-plot: training return: the runs of ")
+    assert "share no x range (theirs: [0, 100], [200, 300])" in err
+    assert err.endswith("; drawn run by run\n") and err.count("\n") == 1
+    assert os.path.exists(out)
+    os.remove(out)
     assert "got 1 labels for 2 logdirs" in error_of([a, b, "--labels", "x", "-o", out], capsys)
     assert "cannot write" in error_of([a, "-o", str(tmp_path / "no" / "x.png")], capsys)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
