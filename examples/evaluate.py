@@ -14,7 +14,7 @@ from absl import app, flags
 from examples.checkpoints import eval_vectorization, load_policy
 from examples.config_flags import run_main
 from sebulba.envs import registry
-from sebulba.evaluation import evaluate, record_video
+from sebulba.evaluation import check_video_writer, evaluate, record_video
 from sebulba.metrics import json_line
 
 _CHECKPOINT = flags.DEFINE_string(
@@ -58,6 +58,11 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(
             f"--video_dir: env {meta['env']!r} was trained through vectorization "
             f"{vectorization!r}: {why}")
+    if _VIDEO_DIR.value:  # before the episodes, not after them
+        try:
+            check_video_writer("--video_dir")
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
     greedy = not _SAMPLED.value
     wrappers = meta.get("env_wrappers") or ()
     # The acting networks the learner published at the checkpoint (a schedule they follow)
