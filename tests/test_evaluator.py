@@ -53,8 +53,12 @@ def test_evaluations_are_complete_episodes_of_published_networks_at_their_update
     # how many finish depends on the machine (an offer made while one runs is passed
     # over): at least the first
     assert evaluations
-    # on_update saw each evaluation once, as it finished; the result keeps them all
-    assert [e.learner_update for e in seen] == [e.learner_update for e in evaluations]
+    # on_update saw each evaluation once, as it finished; the result keeps them all, with
+    # the one that may finish after the last update's on_update (at most one runs at a
+    # time; `Reporter.finish` writes it from the result)
+    kept = [e.learner_update for e in evaluations]
+    assert [e.learner_update for e in seen] == kept[:len(seen)]
+    assert len(kept) - len(seen) <= 1
     for e in evaluations:
         assert e.learner_update % 3 == 0 and e.learner_update in updates
         # the step is the run's consumed env steps when those networks were published

@@ -277,21 +277,30 @@ def test_atari_ids_train_through_ale_py(vectorization, tmp_path):
     assert not np.allclose(out.policy.logits[0], out.policy.logits[1], atol=1e-6)
 
 
-def run_launchers(args: list[list[str]], envs: list[dict]) -> list[str]:
-    """Runs `python -m examples.train` once per (args, env), all at once (the processes of
-    one cluster); each must exit 0. Returns their stdouts; none outlives the call."""
-    procs = [subprocess.Popen([sys.executable, "-m", "examples.train", *a], cwd=ROOT, env=e,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a, e in zip(args, envs, strict=True)]
+def run_together(argvs: list[list[str]], envs: list[dict], timeout: float = 200
+                 ) -> list[subprocess.CompletedProcess]:
+    """Runs `python *argv` once per (argv, env), all at once (the processes of one
+    cluster); none outlives the call."""
+    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for a, e in zip(argvs, envs, strict=True)]
     try:
-        outputs = [p.communicate(timeout=200) for p in procs]
+        outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    return [out for out, _ in outputs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def run_launchers(args: list[list[str]], envs: list[dict]) -> list[str]:
+    """`python -m examples.train` once per (args, env), all at once (`run_together`);
+    each must exit 0. Returns their stdouts."""
+    done = run_together([["-m", "examples.train", *a] for a in args], envs)
+    for result in done:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return [result.stdout for result in done]
 
 
 @pytest.mark.slow

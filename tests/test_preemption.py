@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.test_failures import _alive
+from tests.test_launcher import run_together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--envs_per_group=8", "--steps_per_cycle=8", "--progress=false",
@@ -217,28 +218,21 @@ def test_a_signal_to_one_process_before_training_ends_both_together_with_a_check
         port = s.getsockname()[1]
     logdir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", EARLY_SIGNAL_SCRIPT,
-         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}", "--heartbeat_timeout_seconds=30", "--preemption_grace_seconds=120",
-         f"--logdir={logdir}", *SMALL], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    results = run_together(
+        [["-c", EARLY_SIGNAL_SCRIPT, f"--coordinator_address=127.0.0.1:{port}",
+          "--num_processes=2", f"--process_id={i}", "--heartbeat_timeout_seconds=30",
+          "--preemption_grace_seconds=120", f"--logdir={logdir}", *SMALL] for i in range(2)],
+        [env, env], timeout=240)
     # Not process 1 alone (which aborted in the cluster's shutdown barrier, rc 134, and
     # process 0 a collective timeout later, rc 1): both stop after the same update, save
     # it and exit as preempted.
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "SIGTERM before training started" in results[1][1]
-    assert "stopped by SIGTERM after" in results[1][1]
-    assert "stopped by a signal to another process" in results[0][1]
+    for result in results:
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
+    assert "SIGTERM before training started" in results[1].stderr
+    assert "stopped by SIGTERM after" in results[1].stderr
+    assert "stopped by a signal to another process" in results[0].stderr
     steps = _checkpoint_steps(logdir)
     own = sorted(int(p.name[:-5]) for p in (logdir / "checkpoints_process_1").iterdir()
                  if p.name.endswith(".json"))
     assert len(steps) == 1 and own == steps, (steps, own)
-    assert "no checkpoint saved" not in results[1][1]
+    assert "no checkpoint saved" not in results[1].stderr
