@@ -190,7 +190,8 @@ class RunResult:
         updates: the learner's updates when it consumed the trajectory minus its updates
         when it published the networks that acted (0: the freshest networks possible).
       stage_seconds: seconds per stage, summed over threads. The inferencers':
-        env_step, inference (the acting call and the fetch of its action), record
+        env_step, dispatch (starting the acting call: its inputs copied in, the copy of
+        its outputs to the host started), inference (waiting for its action), record
         (writing steps into the cycle's host buffers), shard (the trajectory to the
         learner devices), queue_put (waiting for room), wait_for_networks (lockstep
         acting waiting for the learner). The learner's: queue_get (waiting for

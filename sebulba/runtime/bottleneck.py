@@ -24,9 +24,9 @@ Every other stage is work. The rules, on the seconds of each stage:
    names how, its share of their time being the verdict's share:
    - `env_step` (stepping envs, including waiting for EnvPool's `recv` or for async
      workers): **env-bound**;
-   - `inference` + `record` (waiting for the acting call's actions, and the host work
-     done while it computes; on the CPU the call may run inside `record`):
-     **inference-bound**;
+   - `dispatch` + `inference` + `record` (starting the acting call, waiting for its
+     actions, and the host work done while it computes; on the CPU the call may run
+     inside `dispatch`): **inference-bound**;
    - `shard` (moving a finished trajectory and its step states to the learner devices):
      **queue-bound**, the hand-off from the threads to the learner.
 
@@ -65,7 +65,7 @@ INFERENCERS_WAIT = ("queue_put", "wait_for_networks")
 # The inferencer threads' work, by the bound it names.
 INFERENCER_WORK: dict[str, tuple[str, ...]] = {
     "env": ("env_step",),
-    "inference": ("inference", "record"),
+    "inference": ("dispatch", "inference", "record"),
     "queue": ("shard",),
 }
 LEARNER_WORK = ("update_experience", "optimize")

@@ -507,6 +507,7 @@ class EnvGroupRunner:
                                                      transfers.to_device(env_step, device, OBS))
             if self.copies_early:
                 start_host_copies(output.action)  # the extras stay until the cycle ends
+            clock.lap("dispatch")
             # While the device computes:
             record.write_env_step(None, t, env_step, None)
             if unwritten is not None:
@@ -620,6 +621,7 @@ class EnvGroupRunner:
             self.state = self.state._replace(step_state=step_state)
             if self.copies_early:
                 start_host_copies(output)
+            clock.lap("dispatch")
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: tally the episodes that ended, write this
             # batch's env steps and the sent batch's outputs (pipelined; its envs are not
