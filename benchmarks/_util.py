@@ -73,6 +73,22 @@ def meta(benchmark: str, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def random_env_step(spec, num_envs: int, seed: int):
+    """An EnvStep of `num_envs` envs of `spec` (sebulba.EnvSpec) with random observations
+    (uniform bytes for frames, standard normal otherwise): an acting call's input
+    without an env."""
+    import numpy as np
+
+    from sebulba.envs import example_env_step
+
+    rng = np.random.default_rng(seed)
+    template = example_env_step(spec, num_envs)
+    obs = template.obs
+    obs = (rng.integers(0, 256, obs.shape).astype(obs.dtype) if obs.dtype == np.uint8
+           else rng.standard_normal(obs.shape).astype(obs.dtype))
+    return template._replace(obs=obs)
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 

@@ -20,7 +20,8 @@ Stages (`--stages` picks some):
 - breakout_ppo, breakout_impala: training on EnvPool Breakout-v5 with the Nature CNN, the
   pool's `num_threads` = `--num_env_threads` (every core steps envs), beside its bounds
   measured in the same run: the envs alone (`env_only`: the same pool, threads, envs and
-  batch, random actions) and the learner alone (`learner_only`: updates on a fixed
+  batch, random actions; the better of a measurement before the run and one after it,
+  `env_only_before_after`) and the learner alone (`learner_only`: updates on a fixed
   trajectory of the training shape).
 - halfcheetah_ppo: the same for PPO on EnvPool HalfCheetah-v5 (MLP, Gaussian policy).
 
@@ -71,6 +72,7 @@ from benchmarks._util import (
     learner_only,
     measure,
     meta,
+    random_env_step,
     ratio,
     records_to,
 )
@@ -193,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="PPO's num_minibatches (0: the agent's default)")
     p.add_argument("--warmup_cycles", type=_positive_int, default=2,
                    help="training stages: cycles per group of the compiling run")
-    p.add_argument("--train_seconds", type=_positive_seconds, default=45.0,
+    p.add_argument("--train_seconds", type=_positive_seconds, default=30.0,
                    help="training stages: wall seconds of the measured run")
     p.add_argument("--bound_seconds", type=_positive_seconds, default=8.0,
                    help="training stages: seconds of each bound (envs alone, learner-only)")
@@ -263,7 +265,6 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     import numpy as np
 
     from sebulba.config import DEFAULT_ACTION_POLL_S
-    from sebulba.envs import example_env_step
     from sebulba.runtime.inferencer import (
         ActingFunctions,
         copies_early_to_host,
@@ -278,12 +279,7 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
         acting.new_state(agent.new_step_state(nets, jax.random.key(seed + g), num_envs),
                          device, snapshots=False).step_state
         for g in range(num_groups)]
-    rng = np.random.default_rng(seed)
-    template = example_env_step(agent.env_spec, num_envs)
-    obs = template.obs
-    obs = (rng.integers(0, 256, obs.shape).astype(obs.dtype) if obs.dtype == np.uint8
-           else rng.standard_normal(obs.shape).astype(obs.dtype))
-    env_step = template._replace(obs=obs)
+    env_step = random_env_step(agent.env_spec, num_envs, seed)
     copies_early = copies_early_to_host(device)
 
     act_recording, new_buffer = _recording_act(acting, env_step, RECORD_STEPS)
@@ -481,7 +477,7 @@ def _short_of_time(args: argparse.Namespace, after: str, warmup_s: float = 0.0
     a warm-up of `warmup_s`, its bounds and a shortest measured run, plus a few seconds
     for the rest."""
     left = args.deadline - time.perf_counter()
-    if left < warmup_s + 2 * args.bound_seconds + min(args.train_seconds, 5.0) + 10:
+    if left < warmup_s + 3 * args.bound_seconds + min(args.train_seconds, 5.0) + 10:
         return f"{left:.0f} s of the run's budget left {after}"
     return None
 
@@ -504,14 +500,22 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     late = _short_of_time(args, f"after a warm-up of {warmup_s:.0f} s")
     if late:
         return {"skipped": late}
-    # The loop's groups stepped at once (vector envs: a thread each)
-    env_sps = envs_alone(cfg, 10, args.seed, groups=cfg.async_factor,
-                         seconds=args.bound_seconds)
+    # The loop's groups stepped at once (vector envs: a thread each), before the run and
+    # again after it: on a shared machine one measurement alone can be far off (on an
+    # H200 machine the same envs gave 17.9k and 13.1k steps/s in one run's two stages).
+    def envs_sps() -> float:
+        return envs_alone(cfg, 10, args.seed, groups=cfg.async_factor,
+                          seconds=args.bound_seconds)
+
+    env_before = envs_sps()
     # Compiled by the warm-up: one update to start, then as many as fit in the seconds.
     learner_sps = learner_only(loop, 1, args.seed, seconds=args.bound_seconds,
                                state=warm.state, warmup_updates=1)
-    train_s = max(1.0, min(args.train_seconds, args.deadline - time.perf_counter() - 10))
+    train_s = max(1.0, min(args.train_seconds,
+                           args.deadline - time.perf_counter() - args.bound_seconds - 10))
     result = _run_for(loop, train_s, warm.state)  # from where the warm-up ended
+    env_after = envs_sps()
+    env_sps = max(env_before, env_after)  # what the envs can do, at the least
     bound = min(env_sps, learner_sps)
     lags = result.policy_lags
     agent_cfg = loop.agent.config
@@ -531,7 +535,9 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
         "learner_updates": result.learner_updates,
         "policy_lag_mean": round(sum(lags) / len(lags), 2) if lags else None,
         "stage_seconds": {k: round(v, 2) for k, v in sorted(result.stage_seconds.items())},
-        "env_only": round(env_sps, 1), "learner_only": round(learner_sps, 1),
+        "env_only": round(env_sps, 1), "env_only_before_after": [round(env_before, 1),
+                                                                 round(env_after, 1)],
+        "learner_only": round(learner_sps, 1),
         "bound": round(bound, 1), "bounded_by": "env" if env_sps <= learner_sps else "learner",
         "ratio_to_bound": ratio(result.consumed_steps_per_second, bound),
     }

@@ -105,6 +105,7 @@ def _assert_beside_its_bounds(rec: dict) -> None:
                   "learner_only", "wall_seconds"):
         assert rec[field] > 0, field
     assert rec["bound"] == min(rec["env_only"], rec["learner_only"])
+    assert rec["env_only"] == max(rec["env_only_before_after"]) > 0
     assert rec["bounded_by"] == ("env" if rec["env_only"] <= rec["learner_only"]
                                  else "learner")
     assert rec["ratio_to_bound"] == pytest.approx(
