@@ -16,7 +16,8 @@ Stages (`--stages` picks some):
   and ("inputs in") of the call on observations already on the device: the round trip
   without their transfer.
 - acting_only: the 5x200 SPG acting benchmark (`benchmarks/acting_spg.py`: CartPole-v1,
-  sync envs, acting only) beside its bounds, env-only and inference-only.
+  sync envs, acting only) beside its bounds, env-only and inference-only, and beside
+  its framework-free loop (`bare_loop`).
 - breakout_ppo, breakout_impala: training on EnvPool Breakout-v5 with the Nature CNN, the
   pool's `num_threads` = `--num_env_threads` (every core steps envs), beside its bounds
   measured in the same run: the envs alone (`env_only`: the same pool, threads, envs and
@@ -66,6 +67,7 @@ from typing import Any
 
 from benchmarks import acting_spg
 from benchmarks._util import (
+    bare_loop,
     env_only,
     envs_alone,
     inference_only,
@@ -377,6 +379,9 @@ def acting_only(args: argparse.Namespace) -> dict[str, Any]:
     env_sps = env_only(lambda: make_vector_env(acting_spg.ENV_ID, envs, "sync"),
                        cycles * steps, args.seed)
     inf_sps = inference_only(agent, envs, cycles * steps, args.seed)
+    # The least a loop does, framework-free: what the machine allows such a loop.
+    bare_sps = bare_loop(agent, lambda: make_vector_env(acting_spg.ENV_ID, envs, "sync"),
+                         cycles * steps, args.seed)
     bound = min(env_sps, inf_sps)
     runs = []
     for af in args.acting_async_factors:
@@ -385,11 +390,12 @@ def acting_only(args: argparse.Namespace) -> dict[str, Any]:
             async_factor=af, steps_per_cycle=steps, seed=args.seed))
         measure(loop, cycles=1)  # compiles
         rec = measure(loop, cycles)
-        runs.append({**rec, "ratio_to_bound": ratio(rec["steps_per_second"], bound)})
+        runs.append({**rec, "ratio_to_bound": ratio(rec["steps_per_second"], bound),
+                     "ratio_to_bare_loop": ratio(rec["steps_per_second"], bare_sps)})
     return {"env": acting_spg.ENV_ID, "hidden_sizes": list(spg.hidden_sizes),
             "envs_per_group": envs, "steps_per_cycle": steps, "cycles": cycles,
             "env_only": round(env_sps, 1), "inference_only": round(inf_sps, 1),
-            "bound": round(bound, 1), "runs": runs,
+            "bound": round(bound, 1), "bare_loop": round(bare_sps, 1), "runs": runs,
             "target_steps_per_second": acting_spg.TARGET_STEPS_PER_SECOND}
 
 
@@ -583,13 +589,18 @@ def _latency_rows(rec: dict[str, Any], on_accelerator: bool) -> list[str]:
 
 def _acting_only_rows(rec: dict[str, Any], on_accelerator: bool) -> list[str]:
     target = rec["target_steps_per_second"]
+    bare = rec.get("bare_loop")  # records written before it was measured lack it
     rows = [f"acting only: 5x200 SPG, {rec['env']}, sync, {rec['envs_per_group']} envs per "
             f"group; env-only {rec['env_only']:,.0f}, inference-only "
-            f"{rec['inference_only']:,.0f} steps/s",
-            f"  {'async_factor':>12} {'steps/s':>10} {'to bound':>9}  target"]
+            f"{rec['inference_only']:,.0f}" + (f", bare loop {bare:,.0f}" if bare else "")
+            + " steps/s",
+            f"  {'async_factor':>12} {'steps/s':>10} {'to bound':>9} {'to bare':>8}  target"]
     for r in rec["runs"]:
+        to_bare = r.get("ratio_to_bare_loop")
         rows.append(f"  {r['async_factor']:>12} {r['steps_per_second']:>10,.0f} "
-                    f"{r['ratio_to_bound']:>9.3f}  >= {target:,} steps/s: "
+                    f"{r['ratio_to_bound']:>9.3f} "
+                    f"{'' if to_bare is None else format(to_bare, '.3f'):>8}  "
+                    f">= {target:,} steps/s: "
                     f"{_verdict(r['steps_per_second'] >= target, on_accelerator)}")
     return rows
 

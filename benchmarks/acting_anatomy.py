@@ -12,6 +12,8 @@ envs per call, beside:
 - `floor_from_host_us`: the same on a host array (one copy in as well);
 - the acting call on an env step already on the device (`resident_*`): the difference
   to the first is the env step's copies;
+- the acting call whose action's copy to the host starts only when it is read
+  (`no_early_copy_*`), where the loop starts it at dispatch on an accelerator;
 - `kernels`: the compiled acting call's top-level instructions that launch work (fusions,
   custom calls such as cuBLAS and cuDNN, copies), from its optimized HLO.
 
@@ -121,11 +123,12 @@ def point(network: str, num_envs: int, seconds: float, seed: int,
     state = [acting.new_state(agent.new_step_state(nets, jax.random.key(seed), num_envs),
                               device, snapshots=False).step_state]
 
-    def phases(inputs) -> tuple[float, float, float]:
+    def phases(inputs, early_copy: bool = True) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         output, state[0] = acting.act_all(leaves, state[0], inputs)
         t1 = time.perf_counter()
-        output.action.copy_to_host_async()
+        if early_copy:  # as the loop does on an accelerator (`copies_early_to_host`)
+            output.action.copy_to_host_async()
         output.action.block_until_ready()
         t2 = time.perf_counter()
         np.asarray(output.action)
@@ -133,8 +136,10 @@ def point(network: str, num_envs: int, seconds: float, seed: int,
 
     result: dict[str, Any] = {"network": network, "envs": num_envs,
                               **_floors(num_envs, seconds / 6, device)}
-    for form, inputs in (("", env_step), ("resident_", jax.device_put(env_step, device))):
-        parts = _timed(lambda inputs=inputs: phases(inputs), seconds / 3)
+    forms = (("", env_step, True), ("resident_", jax.device_put(env_step, device), True),
+             ("no_early_copy_", env_step, False))
+    for form, inputs, early in forms:
+        parts = _timed(lambda inputs=inputs, early=early: phases(inputs, early), seconds / 4)
         result[f"{form}whole_us"] = _median_us([sum(p) for p in parts])
         for i, phase in enumerate(("dispatch", "wait", "read")):
             result[f"{form}{phase}_us"] = _median_us([p[i] for p in parts])

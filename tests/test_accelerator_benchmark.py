@@ -85,6 +85,8 @@ def test_smoke_acting_only_beside_its_bounds(smoke):
         assert run["steps_per_second"] > 0 and run["env_steps"] > 0
         assert run["ratio_to_bound"] == pytest.approx(run["steps_per_second"] / rec["bound"],
                                                       abs=2e-3)
+        assert run["ratio_to_bare_loop"] == pytest.approx(
+            run["steps_per_second"] / rec["bare_loop"], abs=2e-3)
 
 
 @pytest.mark.skipif(not HAS_ENVPOOL, reason="the training stages run on EnvPool")

@@ -26,7 +26,7 @@ def test_anatomy_times_each_phase_and_traces_a_call_and_a_loop(tmp_path):
     assert (mlp["network"], mlp["envs"], cnn["network"], cnn["envs"]) == (
         "mlp", 4, "nature_cnn", 2)
     for p in (mlp, cnn):
-        for form in ("", "resident_"):
+        for form in ("", "resident_", "no_early_copy_"):
             parts = [p[f"{form}{phase}_us"] for phase in ("dispatch", "wait", "read")]
             assert all(x > 0 for x in parts), p
         assert p["floor_resident_us"] > 0 and p["floor_from_host_us"] > 0
