@@ -520,8 +520,11 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     train_s = max(1.0, min(args.train_seconds,
                            args.deadline - time.perf_counter() - args.bound_seconds - 10))
     result = _run_for(loop, train_s, warm.state)  # from where the warm-up ended
-    env_after = envs_sps()
-    env_sps = max(env_before, env_after)  # what the envs can do, at the least
+    try:  # a failure here must not lose the run measured above
+        env_after, after_error = envs_sps(), None
+    except Exception as e:  # noqa: BLE001 - recorded with the stage
+        env_after, after_error = float("nan"), f"{type(e).__name__}: {e}"
+    env_sps = max(env_before, 0.0 if after_error else env_after)  # the envs' best
     bound = min(env_sps, learner_sps)
     lags = result.policy_lags
     agent_cfg = loop.agent.config
@@ -541,8 +544,10 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
         "learner_updates": result.learner_updates,
         "policy_lag_mean": round(sum(lags) / len(lags), 2) if lags else None,
         "stage_seconds": {k: round(v, 2) for k, v in sorted(result.stage_seconds.items())},
-        "env_only": round(env_sps, 1), "env_only_before_after": [round(env_before, 1),
-                                                                 round(env_after, 1)],
+        "env_only": round(env_sps, 1),
+        "env_only_before_after": [round(env_before, 1),
+                                  None if after_error else round(env_after, 1)],
+        **({"env_only_after_error": after_error} if after_error else {}),
         "learner_only": round(learner_sps, 1),
         "bound": round(bound, 1), "bounded_by": "env" if env_sps <= learner_sps else "learner",
         "ratio_to_bound": ratio(result.consumed_steps_per_second, bound),

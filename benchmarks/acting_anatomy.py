@@ -4,8 +4,9 @@
 The loop's acting call on a group's env step (DESIGN.md, "The path of one trajectory")
 is, on the host: dispatch (the env step's arrays copied in, the compiled call enqueued),
 then the action's copy to the host started, waited for and read. Each phase is timed
-alone here (`dispatch_us`, `wait_us`, `read_us`; `whole_us` their sum), per network and
-envs per call, beside:
+alone here, as the loop makes it (`dispatch_us`; `wait_us`, which starts the copy and
+polls until the call is done; `read_us`; `whole_us` their sum), per network and envs
+per call, beside:
 
 - `floor_resident_us`: a compiled `x + 1` on a device array of E int32, its result read
   on the host: the platform's least round trip (a dispatch, a kernel, a copy back);
@@ -37,6 +38,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +49,9 @@ MLP_ENV_ID = "CartPole-v1"
 # Breakout-v5's frames (4 x 84 x 84 uint8) for the Nature CNN, without an env.
 FRAMES_SHAPE = (4, 84, 84)
 LOOP_ENVS, LOOP_STEPS_PER_CYCLE = 16, 100  # the acting-only benchmark's group
+# A trace file larger than this is not kept (a GPU machine's tool brings back 16 MiB a
+# file): its summary is.
+MAX_TRACE_BYTES = 15 * 2**20
 
 
 def _median_us(times: list[float]) -> float:
@@ -68,8 +73,8 @@ def kernels(compiled_text: str) -> dict[str, int]:
     entry = compiled_text[compiled_text.find("\nENTRY"):]
     entry = entry[:entry.find("\n}")]
     counts: dict[str, int] = {}
-    for op in ("fusion", "custom-call", "copy", "while", "conditional", "all-reduce",
-               "rng-bit-generator", "sort"):
+    for op in ("fusion", "custom-call", "dot", "convolution", "copy", "while", "conditional",
+               "all-reduce", "rng-bit-generator", "sort"):
         n = len(re.findall(rf"= [^=]*? {op}\(", entry))
         if n:
             counts[op] = n
@@ -129,7 +134,8 @@ def point(network: str, num_envs: int, seconds: float, seed: int,
         t1 = time.perf_counter()
         if early_copy:  # as the loop does on an accelerator (`copies_early_to_host`)
             output.action.copy_to_host_async()
-        output.action.block_until_ready()
+        while not output.action.is_ready():  # as the loop polls (`fetch_polling`)
+            pass
         t2 = time.perf_counter()
         np.asarray(output.action)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
@@ -153,19 +159,25 @@ def point(network: str, num_envs: int, seconds: float, seed: int,
 
 def _traced(trace_dir: str, name: str, work: Callable[[], Any]) -> dict[str, Any]:
     """Runs `work` under the profiler; its Perfetto trace as trace_dir/trace_{name}.json.gz
-    and a summary of its host events."""
+    (unless larger than MAX_TRACE_BYTES: the summary stays) and a summary of its events
+    per thread. The profiler's own files go to a temporary directory: a run cut short
+    leaves nothing of them in trace_dir."""
     import jax
 
-    tmp = os.path.join(trace_dir, f"profile_{name}")
+    tmp = tempfile.mkdtemp(prefix=f"profile_{name}_")
     out: dict[str, Any] = {}
     try:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             work()
         (found,) = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
-        path = os.path.join(trace_dir, f"trace_{name}.json.gz")
-        shutil.copy(found, path)
-        out[f"trace_{name}"] = os.path.basename(path)
-        out[f"summary_{name}"] = summarize(path)
+        out[f"summary_{name}"] = summarize(found)
+        size = os.path.getsize(found)
+        if size > MAX_TRACE_BYTES:
+            out[f"trace_{name}_left_out"] = f"{size} bytes, over {MAX_TRACE_BYTES}"
+        else:
+            path = os.path.join(trace_dir, f"trace_{name}.json.gz")
+            shutil.copy(found, path)
+            out[f"trace_{name}"] = os.path.basename(path)
     except Exception as e:  # noqa: BLE001 - a profiler the platform lacks: say so
         out[f"trace_{name}_error"] = repr(e)
     finally:
@@ -184,14 +196,12 @@ def loop_trace(trace_dir: str, seed: int) -> dict[str, Any]:
         env=MLP_ENV_ID, envs_per_group=LOOP_ENVS, async_factor=1,
         steps_per_cycle=LOOP_STEPS_PER_CYCLE, seed=seed))
     steps = 4 * LOOP_ENVS * LOOP_STEPS_PER_CYCLE
-    loop.run(steps, learn=False)
-    results = []
-    out = _traced(trace_dir, "loop", lambda: results.append(loop.run(steps, learn=False)))
-    if results:
-        r = results[0]
-        out["loop_us_per_vector_step"] = {
-            k: round(1e6 * v * LOOP_ENVS / r.env_steps, 1)
-            for k, v in sorted(r.stage_seconds.items())}
+    loop.run(steps, learn=False)  # compiles
+    # Stage times of a run without the profiler, whose Python tracer slows every call.
+    r = loop.run(steps, learn=False)
+    out = {"loop_us_per_vector_step": {k: round(1e6 * v * LOOP_ENVS / r.env_steps, 1)
+                                       for k, v in sorted(r.stage_seconds.items())}}
+    out.update(_traced(trace_dir, "loop", lambda: loop.run(steps, learn=False)))
     return out
 
 

@@ -503,6 +503,7 @@ class EnvGroupRunner:
                     clock.lap("wait_for_networks")
                 version, nets = self._latest_networks()
                 record = _Cycle(version, env_step, source.group_size, steps)
+            clock.lap("record")  # a cycle's end and start: the dispatch is timed alone
             output, step_state = self.acting.act_all(nets, step_state,
                                                      transfers.to_device(env_step, device, OBS))
             if self.copies_early:
@@ -616,12 +617,7 @@ class EnvGroupRunner:
                         source.send(released[1], released[0])
                     clock.flush_into(self.accounting)
                 version, nets = self._latest_networks()  # a cycle starts with the latest
-            output, step_state = self.acting.act(nets, self.state.step_state, ids32,
-                                                 on_device)
-            self.state = self.state._replace(step_state=step_state)
-            if self.copies_early:
-                start_host_copies(output)
-            clock.lap("dispatch")
+            output = self._dispatch(nets, ids32, on_device, clock)
             # While the device computes (JAX dispatches asynchronously) and the envs of
             # the batch sent above step: tally the episodes that ended, write this
             # batch's env steps and the sent batch's outputs (pipelined; its envs are not
@@ -637,6 +633,17 @@ class EnvGroupRunner:
                                                       oldest), open_cycles, cursor)
                 pending = None
             clock.lap("record")
+
+    def _dispatch(self, nets, ids32: jax.Array, env_step, clock: StageClock) -> ActorOutput:
+        """Starts the acting call for a batch of envs `ids32` (by id) and the copy of its
+        outputs to the host; the batch's bookkeeping before it is timed as record."""
+        clock.lap("record")
+        output, step_state = self.acting.act(nets, self.state.step_state, ids32, env_step)
+        self.state = self.state._replace(step_state=step_state)
+        if self.copies_early:
+            start_host_copies(output)
+        clock.lap("dispatch")
+        return output
 
     def _send(self, batch, clock: StageClock, held: _HoldBack, cycle: np.ndarray,
               cursor: np.ndarray, oldest: np.ndarray) -> np.ndarray:
