@@ -24,6 +24,7 @@ bottom: config, state, acting, experience, loss.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple
 
 import gymnasium as gym
@@ -128,14 +129,20 @@ class IMPALAConfig(policy.ActorCriticOptions):
         checks.ints(self, "num_minibatches", "num_epochs", low=0,
                     expected="an int >= 1 (or 0: by network)")
         checks.one_of(self, "normalize_advantages", policy.SWITCHES)
-        checks.reals(self, "learning_rate", low=0.0, expected="> 0 (or 0: by network)")
-        checks.reals(self, "optimizer_eps", "max_grad_norm", "rho_bar", "c_bar", "pg_rho_bar",
-                     "ratio_clip", low=0.0, open_low=True)
+        checks.reals(self, "learning_rate", low=0.0, high=sys.float_info.max,
+                     expected="a finite number > 0 (or 0: by network)")
+        checks.reals(self, "optimizer_eps", low=0.0, high=sys.float_info.max, open_low=True,
+                     expected="a finite number > 0")
+        # inf: no clipping
+        checks.reals(self, "max_grad_norm", "rho_bar", "c_bar", "pg_rho_bar", "ratio_clip",
+                     low=0.0, open_low=True)
         checks.reals(self, "discount", low=0.0, high=1.0)
         if not (0.0 <= self.vtrace_lambda <= 1.0 or self.vtrace_lambda == -1.0):
             raise ValueError(f"vtrace_lambda must be in [0, 1], got {self.vtrace_lambda!r} "
                              "(or -1: by network)")
-        checks.reals(self, "baseline_cost", "entropy_cost", "reward_clip", low=0.0)
+        checks.reals(self, "baseline_cost", "entropy_cost", low=0.0, high=sys.float_info.max,
+                     expected="a finite number >= 0")
+        checks.reals(self, "reward_clip", low=0.0)  # inf: no clipping
         if self.c_bar > self.rho_bar:
             # The paper's analysis of V-trace assumes rho_bar >= c_bar (section 4.1).
             raise ValueError(

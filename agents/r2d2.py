@@ -206,7 +206,8 @@ class R2D2Config:
         checks.reals(self, "priority_exponent", "epsilon_alpha", "value_rescaling_eps",
                      "max_grad_norm", low=0.0, high=sys.float_info.max,
                      expected="a finite number >= 0")
-        checks.reals(self, "learning_rate", "adam_eps", low=0.0, open_low=True)
+        checks.reals(self, "learning_rate", "adam_eps", low=0.0, high=sys.float_info.max,
+                     open_low=True, expected="a finite number > 0")
 
     def resolved(self, observation_space: gym.Space) -> R2D2Config:
         """This config with the sizes left to the observation filled in (`lstm_size` 0,

@@ -127,7 +127,8 @@ class SACConfig:
         checks.ints(self, "n_step", "batch_size", "replay_capacity")
         checks.reals(self, "replay_ratio", low=0.0, high=sys.float_info.max, open_low=True,
                      expected="a finite number > 0 (gradient steps per env step)")
-        checks.ints(self, "learning_starts", low=0)
+        checks.ints(self, "learning_starts", low=0, high=warmup.SATURATION,
+                    expected=f"an int in [0, {warmup.SATURATION}] (env steps the count holds)")
         checks.reals(self, "discount", low=0.0, high=1.0)
         checks.reals(self, "tau", low=0.0, high=1.0, open_low=True,
                      expected="in (0, 1] (at 0 the critics' targets never move)")

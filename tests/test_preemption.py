@@ -190,6 +190,30 @@ def test_the_grace_period_must_be_positive():
         Preemption(0)
 
 
+def test_entering_off_the_main_thread_is_an_error_that_starts_nothing(no_leftovers):
+    import threading
+
+    from sebulba.runtime.preemption import Preemption
+
+    errors = []
+
+    def enter():
+        try:
+            with Preemption(5.0):
+                pass
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    worker = threading.Thread(target=enter, name="not-main")
+    worker.start()
+    worker.join(10)
+    assert errors == ["Preemption must be entered in the main thread (signal handlers are "
+                      "set there), not 'not-main'"]
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # no pipe left open
+    assert not [t for t in threading.enumerate() if t.name == "sebulba-signals"]
+
+
 EARLY_SIGNAL_SCRIPT = textwrap.dedent("""
     import os, signal, time
     import jax

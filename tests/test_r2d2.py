@@ -79,6 +79,9 @@ def test_config_errors_name_the_value_and_the_expectation():
     with pytest.raises(ValueError, match="priority_exponent must be a finite number >= 0, "
                                          "got inf"):
         R2D2Config(priority_exponent=float("inf"))
+    for field in ("learning_rate", "adam_eps"):  # inf: no learning at all, silently
+        with pytest.raises(ValueError, match=f"{field} must be a finite number > 0, got inf"):
+            R2D2Config(**{field: float("inf")})
     agent = R2D2(SPEC, small_config())
     layout = sebulba.Layout(envs_per_group=4, num_groups=2, steps_per_cycle=5,
                             num_learner_devices=1)

@@ -386,6 +386,8 @@ def test_the_replay_ratio_rounds_to_whole_gradient_steps_and_never_to_none(no_le
     ("initial_temperature", 1e39, r"a finite number > 0"),
     ("initial_temperature", 0.0, r"a finite number > 0"),
     ("critic_learning_rate", float("inf"), r"a finite number > 0"),
+    # Beyond what the run's env-step count holds: refused here, not at the first update.
+    ("learning_starts", 2**30 + 1, r"an int in \[0, 1073741824\]"),
 ])
 def test_config_refuses_a_target_that_never_moves_and_an_infinite_temperature(
         field, bad, expected):

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def ints(config: Any, *names: str, low: int = 1, expected: str | None = None) -> None:
-    """Each field is an int (not a bool) >= `low`."""
+def ints(config: Any, *names: str, low: int = 1, high: int | None = None,
+         expected: str | None = None) -> None:
+    """Each field is an int (not a bool) >= `low` (and <= `high`, if given)."""
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (
+                high is not None and value > high):
             raise ValueError(f"{name} must be {expected or f'an int >= {low}'}, got {value!r}")
 
 

@@ -92,6 +92,11 @@ class Preemption:
         return None if self.signum is None else 128 + self.signum
 
     def __enter__(self) -> Preemption:
+        # Signal handlers and the wakeup fd belong to the main thread: refuse elsewhere
+        # before anything is started (a reader thread would outlive the error).
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("Preemption must be entered in the main thread (signal "
+                               f"handlers are set there), not {threading.current_thread().name!r}")
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # what set_wakeup_fd requires
         self._pipe = (read_fd, write_fd)
