@@ -181,6 +181,34 @@ def test_a_step_state_of_another_layout_is_refused_before_anything_starts():
             loop.run(100, state)
 
 
+@pytest.mark.timeout(120)
+def test_an_experience_of_another_layout_is_refused_before_anything_starts(no_leftovers):
+    """R2D2's pending sequences are per env: given a 4-env loop's experience, an 8-env
+    loop spliced envs 0 and 4's steps into one sequence, and ran without an error."""
+    from agents.r2d2 import R2D2, R2D2Config
+
+    agent = R2D2(sebulba.env_spec("CartPole-v1"),
+                 R2D2Config(torso_sizes=(8,), lstm_size=8, head_sizes=(8,),
+                            sequence_length=8, sequence_overlap=4, burn_in=2, batch_size=4,
+                            replay_capacity=16, min_replay_size=4))
+    small, big = (sebulba.Sebulba(agent, sebulba.Config(
+        env="CartPole-v1", envs_per_group=e, steps_per_cycle=4, async_factor=1))
+        for e in (4, 8))
+    result = small.run(small.env_steps_per_update)
+    expected = re.escape("this loop's layout (1 env groups x 8 rows, 4 steps per cycle) "
+                         "makes float32[8, 4, 4]: an experience made for another layout")
+    with pytest.raises(ValueError, match=r"local_experience\.pending\.env_steps\.obs is "
+                                         r"float32\[4, 4, 4\] per learner device; " + expected):
+        big.run(100, big.initial_state(), local_experience=result.learner_experience)
+    with pytest.raises(ValueError, match=r"state\.experience\.pending\.env_steps\.obs is "
+                                         r"float32\[4, 4, 4\]; " + expected):
+        big.run(100, big.initial_state()._replace(experience=small.initial_state().experience))
+    # Its own layout's experience runs.
+    assert big.run(big.env_steps_per_update, result.state._replace(
+        step_state=big.initial_state().step_state,
+        experience=big.initial_state().experience)).learner_updates == 1
+
+
 @pytest.mark.parametrize("env,message", [
     ("NoSuchEnv-v0", r"env 'NoSuchEnv-v0' is not a registered gymnasium id: Environment "
                      r"`NoSuchEnv` doesn't exist \(an id that a module registers takes the form"),

@@ -174,6 +174,7 @@ class Sebulba:
             trajectories_per_update=config.trajectories_per_update,
         )
         self._memory_checked = False
+        self._experience_shape: PyTree | None = None  # `_check_experience`'s, traced once
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
         self.learner = Learner(agent, self.learner_devices, self.layout,
                                check_finite=config.check_finite)
@@ -222,7 +223,9 @@ class Sebulba:
           local_experience: one experience per local learner device, stacked (leaves
             [num_local_learners, ...]: `UpdateInfo.learner_state()`'s or a checkpoint's,
             or in a single process `RunResult.learner_experience`); by default every
-            learner device starts from `state.experience`.
+            learner device starts from `state.experience`. Either must be of this
+            loop's layout (an experience's shapes follow its envs and steps per cycle),
+            else a ValueError names the leaf.
           stop: when set (e.g. by a SIGTERM handler: a preemption), the run ends with
             `RunResult.stopped_early`: at once if the learner is waiting for a
             trajectory, else after the learner update under way. A single-process run
@@ -263,6 +266,8 @@ class Sebulba:
             state = self.initial_state()
         else:
             self._check_step_state_rows(state.step_state)
+        self._check_experience(state.experience if local_experience is None
+                               else local_experience, stacked=local_experience is not None)
         # As the acting calls return it, so that each compiles once (and the cut's
         # concatenation of consumed and unconsumed groups' rows too).
         state = state._replace(step_state=strongly_typed(state.step_state))
@@ -358,6 +363,33 @@ class Sebulba:
                 f"need {rows} ({self.config.num_groups} env groups x {self.rows_per_group} "
                 "rows): a step state made for another layout (Sebulba.initial_state makes "
                 "one for this one)")
+
+    def _check_experience(self, experience: PyTree, stacked: bool) -> None:
+        """ValueError unless `experience` (per local learner device when `stacked`) has
+        the structure, shapes and dtypes this loop's layout gives it: an experience made
+        for another layout (more envs, other groups) would run and be wrong (a replay's
+        sequences spliced from two envs' steps)."""
+        if self._experience_shape is None:
+            key = jax.random.key(0)
+            nets = jax.eval_shape(self.agent.new_networks, key)
+            self._experience_shape = jax.eval_shape(
+                lambda n, k: self.agent.new_experience_state(n, k, self.layout), nets, key)
+        name = "local_experience" if stacked else "state.experience"
+        expected, expected_def = jax.tree_util.tree_flatten_with_path(self._experience_shape)
+        leaves, treedef = jax.tree.flatten(experience)
+        if treedef != expected_def:
+            raise ValueError(f"{name} has the structure {treedef}; this loop's agent and "
+                             f"layout make {expected_def}")
+        layout = (f"{self.config.num_groups} env groups x {self.rows_per_group} rows, "
+                  f"{self.config.steps_per_cycle} steps per cycle")
+        for (path, want), x in zip(expected, leaves, strict=True):
+            shape = jnp.shape(x)[1:] if stacked else jnp.shape(x)
+            if shape != want.shape or jnp.result_type(x) != want.dtype:
+                raise ValueError(
+                    f"{name}{jax.tree_util.keystr(path)} is {jnp.result_type(x)}"
+                    f"{list(shape)}{' per learner device' if stacked else ''}; this loop's "
+                    f"layout ({layout}) makes {want.dtype}{list(want.shape)}: an experience "
+                    "made for another layout (Sebulba.initial_state makes one for this one)")
 
     def _start_learner(self, state: AgentState, local_experience: PyTree | None,
                        learner_updates: int, progress_timeout_s: float | None) -> _Run:
