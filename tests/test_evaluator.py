@@ -373,12 +373,16 @@ def test_videos_are_recorded_every_m_evaluations_to_files_and_tensorboard(tmp_pa
         reporter.close()
     with_video = [e for e in result.evaluations if e.video]
     assert with_video
-    # evaluations 0, 2, 4, ... record one more episode each; the run's end may stop the
-    # last one's recording, and its episodes stand without it
-    due = [e.video for e in result.evaluations[::2]]
-    if len(result.evaluations) % 2 == 1 and due[-1] is None:  # the last one is due
-        due = due[:-1]
-    assert due == [e.video for e in with_video]
+    # evaluations 0, 2, 4, ... record one more episode each, and no other does; a
+    # recording that ran past the share (two cores under load) or that the run's end
+    # stopped leaves its evaluation's episodes standing without it
+    due = result.evaluations[::2]
+    assert all(e in due for e in with_video)
+    without = [e for e in due if e.video is None]
+    # the last one, if due, may have been stopped by the run's end (not counted as cut)
+    ended = 1 if len(result.evaluations) % 2 == 1 and due[-1].video is None else 0
+    cut = result.evaluation_videos_cut
+    assert cut <= len(without) <= cut + ended, ([e.video for e in result.evaluations], cut)
     assert all(e.video_frames is None for e in result.evaluations)  # not kept in the result
     assert sorted(os.listdir(videos)) == sorted(os.path.basename(e.video) for e in with_video)
     assert all(os.path.getsize(e.video) > 1000 for e in with_video)
