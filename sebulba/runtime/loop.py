@@ -266,7 +266,7 @@ class Sebulba:
             state = self.initial_state()
         else:
             self._check_step_state_rows(state.step_state)
-        self._check_experience(state.experience if local_experience is None
+        self._check_experience(state.nets, state.experience if local_experience is None
                                else local_experience, stacked=local_experience is not None)
         # As the acting calls return it, so that each compiles once (and the cut's
         # concatenation of consumed and unconsumed groups' rows too).
@@ -364,16 +364,18 @@ class Sebulba:
                 "rows): a step state made for another layout (Sebulba.initial_state makes "
                 "one for this one)")
 
-    def _check_experience(self, experience: PyTree, stacked: bool) -> None:
+    def _check_experience(self, nets: Nets, experience: PyTree, stacked: bool) -> None:
         """ValueError unless `experience` (per local learner device when `stacked`) has
-        the structure, shapes and dtypes this loop's layout gives it: an experience made
-        for another layout (more envs, other groups) would run and be wrong (a replay's
-        sequences spliced from two envs' steps)."""
+        the structure, shapes and dtypes this loop's layout gives it with `nets`: an
+        experience made for another layout (more envs, other groups) would run and be
+        wrong (a replay's sequences spliced from two envs' steps)."""
         if self._experience_shape is None:
-            key = jax.random.key(0)
-            nets = jax.eval_shape(self.agent.new_networks, key)
-            self._experience_shape = jax.eval_shape(
-                lambda n, k: self.agent.new_experience_state(n, k, self.layout), nets, key)
+            try:
+                self._experience_shape = jax.eval_shape(
+                    lambda n, k: self.agent.new_experience_state(n, k, self.layout), nets,
+                    jax.random.key(0))
+            except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+                return  # an experience that depends on values, not only on shapes
         name = "local_experience" if stacked else "state.experience"
         expected, expected_def = jax.tree_util.tree_flatten_with_path(self._experience_shape)
         leaves, treedef = jax.tree.flatten(experience)
