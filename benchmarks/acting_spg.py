@@ -64,8 +64,8 @@ from benchmarks._util import (
 )
 
 ENV_ID = "CartPole-v1"
-# For sync envs; async ones alone are slower (benchmarks/RESULTS.md, "Async versus sync
-# vectorization").
+# For sync envs; async ones alone are slower (benchmarks/HISTORY.md, "Async versus sync
+# vectorization on 2 cores").
 TARGET_STEPS_PER_SECOND = 15_000
 POOLS = ("envpool", "envpool_async")  # calibrated against one pool of all groups
 

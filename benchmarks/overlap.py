@@ -8,7 +8,7 @@ What the machine allows, measured beside it: the bare vector envs alone, one gro
 two groups stepped at once by two threads with no inference at all. Their ratio is what
 the envs themselves reach together: on 2 cores the 16 worker processes of two groups of
 8 already step each other's envs slower (1.90x to 1.95x: benchmarks/RESULTS.md, "Overlap:
-an env whose step takes 2 ms").
+async_factor 2 over an env whose step takes 2 ms").
 
 Records (JSON lines), for each number of envs per group and each of `--repeats` rounds:
 env_only for one and for two groups, then one sebulba record per async_factor; then the

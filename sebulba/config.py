@@ -113,8 +113,8 @@ class Config:
         evaluations_abandoned`). With the default, evaluation costs at most about 2% of
         the env steps.
       eval_video_dir: record one more episode every `eval_video_every` evaluations to
-        this directory (`update_<learner update>.mp4`); the env must render
-        (render_mode="rgb_array"). None: no video.
+        this directory (`update_<learner update, 8 digits>.mp4`: update_00000020.mp4);
+        the env must render (render_mode="rgb_array"). None: no video.
       eval_video_every: evaluations per recorded episode.
     """
 

@@ -32,7 +32,7 @@ def test_impala_solves_cartpole_in_1m_steps(no_leftovers):
     # A uniformly random policy scores ~22. With large returns scaled down (the default)
     # runs of 1M steps at 32 envs per group end near 490; with raw rewards some fall from
     # 500 late, as the value's large errors set how far the clipped global norm shrinks
-    # the policy's steps. ~20 s on 2 cores (benchmarks/RESULTS.md, "IMPALA's late
+    # the policy's steps. ~20 s on 2 cores (benchmarks/HISTORY.md, "IMPALA's late
     # collapse on CartPole"). One seed.
     r = train("CartPole-v1", 1_000_000, seed=0, agent_config=IMPALAConfig(), envs_per_group=32)
     assert r.mean_return(0.9, 1.0) >= 300, r.summary()

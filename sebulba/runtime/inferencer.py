@@ -27,9 +27,10 @@ on, up to `MAX_PENDING_CYCLES - 1` cycles ahead.
 Only the action's transfer stands between the acting call and the env step; the rest of
 the host's work overlaps the device's (JAX dispatches asynchronously). Trajectories are
 built in host memory and go to the learner devices in one transfer per device per cycle;
-the acting call carries only the step's data, not the trajectory (recording on the
-device instead would save the by-id loop at most 5%: benchmarks/RESULTS.md, "The acting
-loop").
+the acting call carries only the step's data, not the trajectory (skipping all host
+recording saved EnvPool's in-order loop at most 5%: benchmarks/HISTORY.md, "The acting
+loops reordered around the action's transfer"; recording on the device instead costs
+more: benchmarks/RESULTS.md, "Where the trajectory is assembled").
 """
 
 from __future__ import annotations
