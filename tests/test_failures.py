@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -119,17 +120,23 @@ def test_progress_timeout_must_be_positive():
         make_loop().run(100, progress_timeout_s=0)
 
 
-class StepRaises(CountingAgent):
+class StepRaisesInItsThread(CountingAgent):
+    """Raises where an inferencer thread traces its acting call (the memory estimate
+    traces the step first, in the caller's thread: there it must not raise)."""
+
     def step(self, step_state, nets, env_step):
-        raise ValueError("bad agent step")
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("bad agent step")
+        return super().step(step_state, nets, env_step)
 
 
 @pytest.mark.timeout(60)
 def test_agent_step_error_reraises_with_original_traceback(no_leftovers):
     with pytest.raises(ValueError, match="bad agent step") as info:
-        make_loop(StepRaises).run(10**9)
+        make_loop(StepRaisesInItsThread).run(10**9)
     frames = [entry.name for entry in info.traceback]
-    assert "step" in frames  # the agent's own frame is in the traceback
+    # The agent's own frame and the inferencer thread's that called it, re-raised here.
+    assert "step" in frames and "_group_steps" in frames, frames
 
 
 class NaNLoss(CountingAgent):

@@ -220,6 +220,15 @@ def not_blank(pixels: np.ndarray) -> bool:
     return rgb.std() > 0.05 and (rgb < 0.9).any(axis=-1).mean() > 0.01
 
 
+def drawn_in(pixels: np.ndarray, color: str) -> float:
+    """The share of the figure's pixels of `color` (a group's curves and spread: axes,
+    ticks and titles are black and grey)."""
+    from matplotlib import colors
+
+    target = np.asarray(colors.to_rgb(color))
+    return float((np.abs(pixels[..., :3] - target).max(axis=-1) < 0.15).mean())
+
+
 def test_the_command_line_draws_runs_with_evaluation(launcher_run, tmp_path):
     # A second seed of the real run, with evaluation rows added by hand.
     seed1 = shutil.copytree(launcher_run, tmp_path / "ppo_seed1")
@@ -237,9 +246,18 @@ def test_the_command_line_draws_runs_with_evaluation(launcher_run, tmp_path):
     pixels = image(str(out))
     assert pixels.shape[:2] == (390, 3 * 520)  # three panels at 100 dpi: eval is one
     assert not_blank(pixels)
+    # the copy's curves (the second group, drawn last: over the first's, which are the
+    # same rows) in every panel, the evaluation's its alone
+    for panel in np.split(pixels, 3, axis=1):
+        assert drawn_in(panel, "C1") > 0.001
 
 
-def test_main_draws_by_wall_time(launcher_run, tmp_path, capsys):
+def test_main_draws_by_wall_time(launcher_run, tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig",
+                        lambda fig, *a, **k: saved.append(fig) or savefig(fig, *a, **k))
     out = tmp_path / "by_time.png"
     plot.main([launcher_run, "--x", "wall_time", "--smooth", "3", "-o", str(out),
                "--dpi", "50"])
@@ -247,6 +265,14 @@ def test_main_draws_by_wall_time(launcher_run, tmp_path, capsys):
     pixels = image(str(out))
     assert pixels.shape[:2] == (195, 2 * 260)  # two panels: no evaluation rows
     assert not_blank(pixels)
+    # Each panel draws its curve: the smoothed rows of the run, as panel_curves has them.
+    run = plot.read_run(launcher_run)
+    (fig,) = saved
+    for panel, ax in zip(plot.panels([run], "wall_time"), fig.axes, strict=True):
+        (curve,) = [c for _, _, c in plot.panel_curves(panel, {"run": [run]}, window=3)]
+        (line,) = ax.lines
+        assert len(curve.mean) >= 2
+        np.testing.assert_allclose(line.get_ydata(), curve.mean)
 
 
 def error_of(argv, capsys) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agents.spg import SPGConfig
@@ -31,9 +33,13 @@ def test_bad_config_is_rejected(kwargs, message):
         SPGConfig(**kwargs)
 
 
-def test_good_configs_are_accepted():
-    SPGConfig()
-    SPGConfig(hidden_sizes=(), lstm_size=16, discount=1.0, value_cost=0.0, entropy_cost=0.0)
+def test_good_configs_are_accepted_as_given():
+    assert SPGConfig() == SPGConfig(**{f.name: f.default
+                                       for f in dataclasses.fields(SPGConfig)})
+    edge = dict(hidden_sizes=(), lstm_size=16, discount=1.0, value_cost=0.0,
+                entropy_cost=0.0)
+    cfg = SPGConfig(**edge)
+    assert {k: getattr(cfg, k) for k in edge} == edge
 
 
 def test_a_gaussian_policy_gets_its_own_entropy_cost_zero_by_default():
