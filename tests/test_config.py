@@ -164,7 +164,7 @@ def test_bad_total_env_steps_is_rejected():
 
 
 @pytest.mark.timeout(60)
-def test_a_step_state_of_another_layout_is_refused_before_anything_starts():
+def test_a_step_state_of_another_layout_is_refused_before_anything_starts(no_leftovers):
     """The groups' slices of a state with too few rows were empty (an agent that
     broadcasts acted on nothing, the run ended without an error), extra rows were left
     out."""

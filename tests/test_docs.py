@@ -72,7 +72,7 @@ def shortened(code: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_the_agent_of_writing_an_agent_runs():
+def test_the_agent_of_writing_an_agent_runs(no_leftovers):
     (code,) = python_blocks("writing-an-agent.md")
     namespace: dict = {"__name__": "docs_example"}
     exec(compile(shortened(code), "writing-an-agent.md", "exec"), namespace)
@@ -81,7 +81,7 @@ def test_the_agent_of_writing_an_agent_runs():
 
 
 @pytest.mark.timeout(300)
-def test_the_source_of_env_sources_runs():
+def test_the_source_of_env_sources_runs(no_leftovers):
     from sebulba import envs
 
     source, run = python_blocks("env-sources.md")[-2:]

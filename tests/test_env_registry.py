@@ -183,7 +183,7 @@ def test_the_shipped_kinds_say_what_they_support():
 def test_atari_by_its_vector_entry_point_gives_game_scores_not_clipped_rewards():
     # ale-py's vector env clips rewards to [-1, 1] by default; Space Invaders' aliens are
     # worth 5 to 30 points, and the returns every other source reports are game scores.
-    pytest.importorskip("ale_py")
+    pytest.importorskip("ale_py", reason="Atari envs need the atari extra (ale-py)")
     from sebulba.envs.gymnasium_source import make_vector_env
 
     vec = make_vector_env("ALE/SpaceInvaders-v5", 4, "vector_entry_point")
@@ -224,7 +224,8 @@ class CloseFailsSignSource(SignSource):
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_construction_raises_its_own_error_though_a_close_fails(sign_kind, caplog):
+def test_a_failed_construction_raises_its_own_error_though_a_close_fails(sign_kind, caplog,
+                                                                        no_leftovers):
     """Two sources for a device that asked for one group: the loop's error names that,
     and the sources it closes on the way, whose close fails, do not replace it."""
     registry.register(dataclasses.replace(SIGN, make_sources=lambda r: [

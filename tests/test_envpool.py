@@ -409,7 +409,7 @@ class ByEnvPolicy(sebulba.Agent):
 
 
 @pytest.mark.timeout(120)
-def test_a_policy_trained_on_envpool_is_evaluated_on_envpool():
+def test_a_policy_trained_on_envpool_is_evaluated_on_envpool(no_leftovers):
     from sebulba.envs import registry
     from sebulba.evaluation import evaluate, evaluation_vectorization
 

@@ -205,7 +205,8 @@ class StopAfter:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("vectorization", ["envpool", "pettingzoo"])
-def test_a_stopped_evaluation_leaves_its_source_clean_for_the_next(vectorization):
+def test_a_stopped_evaluation_leaves_its_source_clean_for_the_next(vectorization,
+                                                                  no_leftovers):
     # The evaluator gives up an evaluation that runs past its share and starts the next
     # on the same source: no step of the last may still be in flight (EnvPool would be
     # one batch behind from then on), no episode of it left to pop (counted against the

@@ -96,7 +96,8 @@ def test_evaluation_costs_at_most_its_share_of_the_env_steps(no_leftovers):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("video", [False, True])
-def test_an_evaluation_is_estimated_with_the_episode_it_records(tmp_path, video):
+def test_an_evaluation_is_estimated_with_the_episode_it_records(tmp_path, video,
+                                                                 no_leftovers):
     """Two envs and a longest training episode of 100 steps: 200 env steps, and 300
     where a video episode follows; within a share of 250 only the first is taken. The
     share is of this process's env steps (1,000), not the run's (4,000: 4 processes)."""
@@ -130,7 +131,8 @@ def _offering_evaluator(steps_before: int = 0, **config):
 
 
 @pytest.mark.timeout(60)
-def test_a_resumed_run_evaluates_within_the_share_of_the_training_before_it():
+def test_a_resumed_run_evaluates_within_the_share_of_the_training_before_it(
+        no_leftovers):
     """10 envs x a longest episode of 500: 5,000 env steps an evaluation, which 2% of a
     segment of 200k steps never allows on its own. A run resumed after 10M steps takes
     one at once (the steps before it allow 200k), then only what its own share allows;
