@@ -18,14 +18,6 @@ SMALL = ["--envs_per_group=8", "--steps_per_cycle=8", "--progress=false",
          "--log_every_seconds=0", "--ppo_hidden_sizes=16"]
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.mark.timeout(300)
 def test_a_second_launcher_on_a_logdir_in_use_stops_at_once_naming_the_pid(tmp_path):
     logdir = tmp_path / "run"
@@ -54,7 +46,6 @@ def test_a_second_launcher_on_a_logdir_in_use_stops_at_once_naming_the_pid(tmp_p
         first.send_signal(signal.SIGKILL)  # no cleanup: only the kernel releases the lock
         first.wait(timeout=30)
         first.stderr.close()
-    assert gone(first.pid)
     # The killed run's lock file is still there, with its pid, but no longer locked.
     assert (logdir / ".lock").read_text().strip() == str(first.pid)
     third = run("examples.train", f"--logdir={logdir}", "--total_env_steps=500", *SMALL,

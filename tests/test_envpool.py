@@ -441,7 +441,7 @@ def test_a_policy_trained_on_envpool_is_evaluated_on_envpool(no_leftovers):
                               seed=3, env_kwargs=KWARGS, vectorization=vectorization)
         finally:
             object.__setattr__(kind, "make_sources", make_sources)
-        assert all(ids == tuple(range(num_envs)) for ids in seen)  # every env, in order
+        assert seen and all(ids == tuple(range(num_envs)) for ids in seen)  # all, in order
         # Env by env, `per_env` complete episodes each; CartPole pays 1 a step.
         assert len(result.returns) == num_envs * per_env
         assert result.returns == [float(n) for n in result.lengths]
