@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 
-from tests.test_metrics import read_tensorboard_files
+from tests.test_metrics import history_row, read_tensorboard_files, wandb_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--envs_per_group=8", "--steps_per_cycle=8", "--progress=false", "--log_every_seconds=0"]
@@ -174,11 +176,23 @@ def test_evaluations_during_training_reach_every_sink_and_wandb_offline(tmp_path
     # run file under the logdir
     (run_file,) = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(logdir, "wandb"))
                    for f in files if f.endswith(".wandb")]
-    with open(run_file, "rb") as f:
-        recorded = f.read()
-    for key in [b"eval/return", b"episode/return", b"learner/loss", b"env_steps",
-                b"eval_every_updates", b"CartPole-v1"]:
-        assert key in recorded, key
+    # every evaluation row, as metrics.jsonl has it, against its env step (W&B's service
+    # process may still be writing the file: see the wandb test in test_metrics.py)
+    expected = {(r["step"], r["eval/return"]) for r in evaluations}
+    deadline = time.monotonic() + 20
+    while True:
+        records = wandb_records(pathlib.Path(run_file))
+        logged = [row for row in map(history_row, records) if row]
+        by_step = {(r["env_steps"], r["eval/return"]) for r in logged if "eval/return" in r}
+        if by_step == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert by_step == expected
+    assert any("episode/return" in r and "learner/loss" in r for r in logged)
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {u.key: json.loads(u.value_json) for u in run_record.config.update}
+    assert config["run"]["eval_every_updates"] == 2, config
+    assert config["total_env_steps"] == 6000 and "CartPole-v1" in json.dumps(config)
 
 
 @pytest.mark.timeout(60)

@@ -306,16 +306,62 @@ def test_wandb_offline_takes_scalars_against_env_steps_and_videos(tmp_path):
     videos = os.listdir(tmp_path / "wandb" / run / "files" / "media" / "videos" / "eval")
     assert len(videos) == 1 and videos[0].endswith(".mp4")
     (run_file,) = [f for f in os.listdir(tmp_path / "wandb" / run) if f.endswith(".wandb")]
-    # W&B's own service process writes the run's file, and may still be writing it
-    # when `finish` returns (seen once under load: only the file's header was there).
-    expected = (b"episode/return", b"eval/return", b"env_steps", b"ppo")
+    # Each logged row, with the env step it is plotted against (wandb's own step only
+    # grows; the evaluation's step is earlier). W&B's own service process writes the
+    # run's file, and may still be writing it when `finish` returns (seen once under
+    # load: only the file's header was there).
+    expected = [{"episode/return": 12.5, "env_steps": 100},
+                {"eval/return": 20.0, "env_steps": 50},
+                {"eval/video": "video-file 48x32", "env_steps": 50}]
     deadline = time.monotonic() + 20
     while True:
-        recorded = (tmp_path / "wandb" / run / run_file).read_bytes()
-        if all(x in recorded for x in expected) or time.monotonic() > deadline:
+        records = wandb_records(tmp_path / "wandb" / run / run_file)
+        rows = [row for row in map(history_row, records) if row is not None]
+        if rows == expected or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert [x for x in expected if x not in recorded] == [], recorded[:200]
+    assert rows == expected
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert {u.key: json.loads(u.value_json) for u in run_record.config.update}["agent"] == "ppo"
+
+
+def wandb_records(path) -> list:
+    """The records of a W&B run file: a 7-byte header, then LevelDB's log format (32 KiB
+    blocks of chunks: crc32, length, type (1 whole, 2 first, 3 middle, 4 last), data)
+    holding one serialized `Record` per whole or joined chunk."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, records, pending, pos = path.read_bytes(), 32 * 1024, [], b"", 7
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def history_row(record) -> dict | None:
+    """A history record's row (user keys only; a video's fields as one entry, "video-file
+    WxH"), else None."""
+    if record.WhichOneof("record_type") != "history":
+        return None
+    items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+             for item in record.history.item}
+    videos = {k[:-len("/_type")] for k, v in items.items()
+              if k.endswith("/_type") and v == "video-file"}
+    row = {k: v for k, v in items.items()  # not wandb's own (_step, _runtime, ...)
+           if not k.startswith("_") and k.rsplit("/", 1)[0] not in videos}
+    for tag in videos:
+        row[tag] = f"video-file {items[tag + '/width']}x{items[tag + '/height']}"
+    return row
 
 
 def read_rows(path) -> list[dict]:
