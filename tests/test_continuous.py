@@ -139,6 +139,18 @@ def test_agents_refuse_action_spaces_they_cannot_act_in():
                                   gym.spaces.MultiDiscrete([2, 3], start=[1, 0]))
     with pytest.raises(ValueError, match="normalize_rewards must be one of"):
         PPOConfig(normalize_rewards="yes")
+    # Integer Box actions: every real action the agents sample would be off the env's
+    # grid (each of 1,144 steps a reviewer's run sent was outside the space).
+    for dtype in (np.int64, np.int32, np.uint8, np.bool_):
+        with pytest.raises(ValueError, match=r"a Box of actions must hold floats; integer "
+                                             r"actions are a MultiDiscrete"):
+            sebulba.envs.check_spaces(box.observation_space,
+                                      gym.spaces.Box(0, 1, (2,), dtype))
+    with pytest.raises(ValueError, match=r"Discrete must start at 0 \(a gymnasium."
+                                         r"ActionWrapper"):
+        sebulba.envs.check_spaces(box.observation_space, gym.spaces.Discrete(3, start=1))
+    for dtype in (np.float16, np.float32, np.float64):  # real actions: accepted
+        sebulba.envs.check_spaces(box.observation_space, gym.spaces.Box(-1, 1, (2,), dtype))
 
 
 # Statistics kept in the networks.

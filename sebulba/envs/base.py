@@ -61,11 +61,18 @@ def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
         raise ValueError(f"unsupported action space {action_space!r}: expected gymnasium."
                          "spaces.Discrete, MultiDiscrete or Box")
     if isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) != 0:
-        raise ValueError(f"unsupported action space {action_space!r}: Discrete must start at 0")
+        raise ValueError(f"unsupported action space {action_space!r}: Discrete must start at "
+                         "0 (a gymnasium.ActionWrapper that adds the start maps 0..n-1 to it)")
     if isinstance(action_space, gym.spaces.MultiDiscrete) and (
             np.ndim(action_space.nvec) != 1 or np.any(action_space.start != 0)):
         raise ValueError(f"unsupported action space {action_space!r}: MultiDiscrete must be "
                          "one-dimensional and start at 0")
+    if isinstance(action_space, gym.spaces.Box) and action_space.dtype.kind != "f":
+        # The agents' Box actions are real numbers: an integer env would get every action
+        # off its grid.
+        raise ValueError(f"unsupported action space {action_space!r}: a Box of actions must "
+                         "hold floats; integer actions are a MultiDiscrete (or a wrapper "
+                         "that rounds real actions to the env's integers)")
 
 
 def action_to_env(action_space: gym.Space
