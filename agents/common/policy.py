@@ -41,15 +41,6 @@ def switch_on(value: str, action_space: gym.Space) -> bool:
     return value == "on" or (value == "auto" and isinstance(action_space, gym.spaces.Box))
 
 
-def observations_normalized(value: str) -> bool:
-    """`normalize_observations`: "auto" is on whatever the actions (it standardizes
-    vector observations only): with discrete actions, CartPole's observations scaled by
-    1e-3 left PPO, IMPALA and SPG at a random policy's return, as Adam's fixed step
-    sizes need weights of about 1e3 for them; standardized, PPO balanced it (264 steps
-    against 20), and at the task's own scale did as well or better (379 against 278)."""
-    return value in ("auto", "on")
-
-
 @dataclasses.dataclass(frozen=True)
 class ActorCriticOptions:
     """Options every actor-critic config shares (a base class of PPO's and IMPALA's).
@@ -57,8 +48,7 @@ class ActorCriticOptions:
     Attributes:
       normalize_observations: "auto" | "on" | "off": standardize vector observations by
         running moments learnt on the learner and published with the networks
-        (`agents.common.normalization`); "auto": on (frames are scaled to [0, 1] and
-        discrete observations one-hot encoded instead).
+        (`agents.common.normalization`); "auto": on for Box action spaces.
       normalize_rewards: "auto" | "on" | "down" | "off": divide rewards, for learning
         only, by the running std of the discounted return (the actors accumulate it; the
         learner keeps the moments); "down": only where that std exceeds 1. "auto": on for
@@ -110,7 +100,8 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
             env_spec.action_space, space, hidden_sizes, lstm_size,
             state_dependent_std=options.state_dependent_std,
             central_agents=env_spec.agents_per_env if options.central_value else 1,
-            normalize_observations=observations_normalized(options.normalize_observations))
+            normalize_observations=switch_on(options.normalize_observations,
+                                             env_spec.action_space))
     scale = (options.normalize_rewards == "down"
              or switch_on(options.normalize_rewards, env_spec.action_space)
              or (options.normalize_rewards == "auto" and lstm_size > 0))
@@ -131,7 +122,7 @@ def twin_lstm_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
     space = env_spec.observation_space
     torso = networks.TwinTorso(networks.torso_for(space, hidden_sizes),
                                networks.torso_for(space, hidden_sizes))
-    if (observations_normalized(options.normalize_observations)
+    if (switch_on(options.normalize_observations, env_spec.action_space)
             and observations.kind(space) == observations.VECTOR):
         torso = nn.Sequential([normalization.ObservationNormalizer(len(space.shape)), torso])
     head = distributions.policy_head_for(env_spec.action_space,
