@@ -214,6 +214,9 @@ def test_an_experience_of_another_layout_is_refused_before_anything_starts(no_le
                      r"`NoSuchEnv` doesn't exist \(an id that a module registers takes the form"),
     ("Cartpole-v1", r"env 'Cartpole-v1' is not a registered .* Did you mean: `CartPole`"),
     ("CartPole-v9", r"env 'CartPole-v9' is not a registered .* `v0`, `v1`"),
+    # A deprecated version: gymnasium names the one to use, and no `module:Id` hint.
+    ("Taxi-v3", r"env 'Taxi-v3' is not a registered gymnasium id: Environment version v3 "
+                r"for `Taxi` is deprecated. Please use `Taxi-v4` instead$"),
     ("no_such_module:Foo-v0", r"env 'no_such_module:Foo-v0': importing 'no_such_module', "
                               r"which the `module:Id` form imports to register 'Foo-v0', "
                               r"failed: No module named 'no_such_module'"),

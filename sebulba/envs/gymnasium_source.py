@@ -66,7 +66,9 @@ def check_env_id(env: str, vectorization: str = "sync") -> None:
         spec = _find_spec(name)
     except gym.error.Error as e:
         reason = str(e).rstrip(".")
-        if module is None and "Did you mean" not in reason:
+        # Where gymnasium names no other id, the env may be one a module registers.
+        if module is None and not isinstance(e, gym.error.DeprecatedEnv) \
+                and "Did you mean" not in reason:
             reason += " (an id that a module registers takes the form 'module:Id')"
         raise ValueError(f"env {env!r} is not a registered gymnasium id: {reason}") from None
     if vectorization == "vector_entry_point" and spec.vector_entry_point is None:
