@@ -376,12 +376,13 @@ def acting_only(args: argparse.Namespace) -> dict[str, Any]:
     cycles = args.acting_cycles or spg.cycles
     agent = SPG(sebulba.env_spec(acting_spg.ENV_ID),
                 SPGConfig(hidden_sizes=tuple(spg.hidden_sizes)))
-    env_sps = env_only(lambda: make_vector_env(acting_spg.ENV_ID, envs, "sync"),
-                       cycles * steps, args.seed)
+    def make_vec():
+        return make_vector_env(acting_spg.ENV_ID, envs, "sync")
+
+    env_sps = env_only(make_vec, cycles * steps, args.seed)
     inf_sps = inference_only(agent, envs, cycles * steps, args.seed)
     # The least a loop does, framework-free: what the machine allows such a loop.
-    bare_sps = bare_loop(agent, lambda: make_vector_env(acting_spg.ENV_ID, envs, "sync"),
-                         cycles * steps, args.seed)
+    bare_sps = bare_loop(agent, make_vec, cycles * steps, args.seed)
     bound = min(env_sps, inf_sps)
     runs = []
     for af in args.acting_async_factors:
@@ -520,11 +521,12 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
     train_s = max(1.0, min(args.train_seconds,
                            args.deadline - time.perf_counter() - args.bound_seconds - 10))
     result = _run_for(loop, train_s, warm.state)  # from where the warm-up ended
+    env_after = after_error = None
     try:  # a failure here must not lose the run measured above
-        env_after, after_error = envs_sps(), None
+        env_after = envs_sps()
     except Exception as e:  # noqa: BLE001 - recorded with the stage
-        env_after, after_error = float("nan"), f"{type(e).__name__}: {e}"
-    env_sps = max(env_before, 0.0 if after_error else env_after)  # the envs' best
+        after_error = f"{type(e).__name__}: {e}"
+    env_sps = max(env_before, env_after or 0.0)  # the envs' best
     bound = min(env_sps, learner_sps)
     lags = result.policy_lags
     agent_cfg = loop.agent.config
@@ -546,7 +548,7 @@ def training(args: argparse.Namespace, agent_name: str, task_id: str) -> dict[st
         "stage_seconds": {k: round(v, 2) for k, v in sorted(result.stage_seconds.items())},
         "env_only": round(env_sps, 1),
         "env_only_before_after": [round(env_before, 1),
-                                  None if after_error else round(env_after, 1)],
+                                  None if env_after is None else round(env_after, 1)],
         **({"env_only_after_error": after_error} if after_error else {}),
         "learner_only": round(learner_sps, 1),
         "bound": round(bound, 1), "bounded_by": "env" if env_sps <= learner_sps else "learner",
