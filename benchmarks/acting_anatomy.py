@@ -130,7 +130,7 @@ def point(network: str, num_envs: int, seconds: float, seed: int,
 
     def phases(inputs, early_copy: bool = True) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        output, state[0] = acting.act_all(leaves, state[0], inputs)
+        output, state[0], _ = acting.act_all(leaves, state[0], None, inputs)
         t1 = time.perf_counter()
         if early_copy:  # as the loop does on an accelerator (`copies_early_to_host`)
             output.action.copy_to_host_async()
@@ -149,7 +149,7 @@ def point(network: str, num_envs: int, seconds: float, seed: int,
         result[f"{form}whole_us"] = _median_us([sum(p) for p in parts])
         for i, phase in enumerate(("dispatch", "wait", "read")):
             result[f"{form}{phase}_us"] = _median_us([p[i] for p in parts])
-    compiled = acting.act_all.lower(leaves, state[0], env_step).compile()
+    compiled = acting.act_all.lower(leaves, state[0], None, env_step).compile()
     result["kernels"] = kernels(compiled.as_text())
     if trace_dir:
         result.update(_traced(trace_dir, f"call_{network}_{num_envs}",

@@ -321,6 +321,10 @@ RUN_FLAG_CONVERSIONS: dict[str, FlagConversion] = {
     "action_poll_s": FlagConversion(
         lambda name, default, help, **kw: flags.DEFINE_float(name, default, help, **kw),
         _identity),
+    # bool | None: --stack_frames_on_device or --nostack_frames_on_device, unset = None.
+    "stack_frames_on_device": FlagConversion(
+        lambda name, default, help, **kw: flags.DEFINE_bool(name, default, help, **kw),
+        _identity),
     # int | None: a local device index, unset = None.
     "eval_device": FlagConversion(
         lambda name, default, help, **kw: flags.DEFINE_integer(name, default, help, **kw),

@@ -71,6 +71,14 @@ class Config:
         guard disallows implicit ones there, and the loop's own become explicit. For
         tests and for finding a transfer an agent adds; it costs tens of microseconds per
         acting call.
+      stack_frames_on_device: where the env source's observations are stacks of an
+        env's last frames kept by a rule it declares (`frame_stack`: EnvPool's Atari
+        envs without `episodic_life`, ale-py's vector env), send only each observation's
+        newest frame to the inference device, which restacks it (a quarter of the
+        observations' copy for 4 frames; the trajectory holds the env's stacks, and a row
+        of each cycle is checked against the rule). None: on accelerators, off on the
+        CPU, where the copy costs nearly nothing; True with a source that declares no
+        stack is an error.
       check_env_output: check what the envs return where it enters the framework: a step
         or reset of the wrong form (the old gym API's four values), a reward or flag that
         is not a number or bool (None), an observation of the wrong shape, and NaN or
@@ -132,6 +140,7 @@ class Config:
     drop_when_full: bool = False
     check_finite: bool = True
     transfer_guard: bool = False
+    stack_frames_on_device: bool | None = None
     check_env_output: bool = True
     async_context: str = "spawn"
     shutdown_timeout_s: float = 10.0
@@ -229,6 +238,10 @@ class Config:
         if self.eval_video_dir == "":  # else os.makedirs("") fails at the first video
             raise ValueError("eval_video_dir='' is an empty path: name the directory the "
                              "videos go to, or None for no videos")
+        if not (self.stack_frames_on_device is None
+                or isinstance(self.stack_frames_on_device, bool)):
+            raise ValueError(f"stack_frames_on_device must be a bool or None (on accelerators "
+                             f"only), got {self.stack_frames_on_device!r}")
         poll = self.action_poll_s
         if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
                                  or not 0 <= poll <= 1):

@@ -74,6 +74,9 @@ def test_smoke_latency_per_network_and_envs_per_call(smoke):
         assert 0 < p["median_us"] <= p["p90_us"]
         assert p["steps_per_second"] > 0 and p["first_call_s"] > 0
         assert p["record_on_device_median_us"] > 0 and p["inputs_on_device_median_us"] > 0
+        # Frames are also timed restacked on the device from their newest frame.
+        newest = p["newest_frame_median_us"]
+        assert (newest > 0) if p["network"] == "nature_cnn" else newest is None
 
 
 def test_smoke_acting_only_beside_its_bounds(smoke):
@@ -190,6 +193,12 @@ def test_the_table_judges_the_targets_on_an_accelerator():
                                       ["nature_cnn", "64"]))
     assert mlp.endswith("<= 200 us: pass") and cnn256.endswith("<= 1,000 us: FAIL")
     assert "pass" not in cnn64 and "FAIL" not in cnn64
+    # Where the call restacking the newest frame was timed, the target applies to it: the
+    # loop's call on an accelerator.
+    latency["points"][1]["newest_frame_median_us"] = 800.0
+    cnn256 = next(x for x in accelerator.table([latency], "cuda:0", True, 1.0).splitlines()
+                  if x.split()[:2] == ["nature_cnn", "256"])
+    assert cnn256.endswith("<= 1,000 us: pass") and "800.0" in cnn256
     row = next(x for x in lines if x.strip().startswith("breakout_ppo"))
     assert ">= 10,000/s: pass" in row and ">= 0.7 of bound: FAIL" in row  # 0.6 of it
     row = next(x for x in accelerator.table([_breakout_ppo(9_000, 10_000)], "cuda:0", True,

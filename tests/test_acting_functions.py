@@ -37,14 +37,14 @@ def test_acting_all_envs_matches_the_agents_step():
     state = acting.new_state(step_state, jax.devices()[0], snapshots=False)
     assert not jax.dtypes.issubdtype(state.step_state.key.dtype, jax.dtypes.prng_key)
     want_out, want_state = jax.jit(agent.step)(step_state, nets, env_step)
-    out, raw = acting.act_all(acting.networks(nets), state.step_state, env_step)
+    out, raw, _ = acting.act_all(acting.networks(nets), state.step_state, None, env_step)
     np.testing.assert_array_equal(out.action, want_out.action)
     np.testing.assert_allclose(out.extras["log_prob"], want_out.extras["log_prob"],
                                rtol=1e-6)
     typed = acting.typed(raw)  # the keys typed again, as the learner gets them
     np.testing.assert_array_equal(key_data(typed), key_data(want_state))
     # The next step draws from the advanced keys: the same actions as the agent's.
-    again, _ = acting.act_all(acting.networks(nets), raw, env_step)
+    again, _, _ = acting.act_all(acting.networks(nets), raw, None, env_step)
     want_again, _ = jax.jit(agent.step)(want_state, nets, env_step)
     np.testing.assert_array_equal(again.action, want_again.action)
 
@@ -59,7 +59,7 @@ def test_acting_by_id_changes_only_those_envs_rows():
     rows = jax.tree.map(lambda x: x[ids], step_state)
     batch = jax.tree.map(lambda x: x[ids], env_step)
     want_out, want_rows = jax.jit(agent.step)(rows, nets, batch)
-    out, raw = acting.act(acting.networks(nets), state.step_state, ids, batch)
+    out, raw, _ = acting.act(acting.networks(nets), state.step_state, None, ids, batch)
     np.testing.assert_array_equal(out.action, want_out.action)
     after = np.asarray(raw.key)
     np.testing.assert_array_equal(after[ids], key_data(want_rows))
@@ -106,9 +106,9 @@ def test_a_step_state_that_changes_its_shape_or_dtype_is_refused_naming_the_leaf
     acting = ActingFunctions(agent, steps_per_cycle=4)
     state = acting.new_state(step_state, jax.devices()[0])
     with pytest.raises(ValueError, match=message):
-        acting.act_all(acting.networks(nets), state.step_state, env_step)
+        acting.act_all(acting.networks(nets), state.step_state, None, env_step)
     with pytest.raises(ValueError, match=message.replace("(6", "(3").replace("(7", "(4")):
-        acting.act(acting.networks(nets), state.step_state, np.array([4, 1, 2], np.int32),
+        acting.act(acting.networks(nets), state.step_state, None, np.array([4, 1, 2], np.int32),
                    jax.tree.map(lambda x: x[:3], env_step))
 
 
@@ -134,5 +134,5 @@ def test_a_weakly_typed_step_state_compiles_the_acting_call_once():
     acting = ActingFunctions(agent, steps_per_cycle=4)
     raw = acting.new_state(step_state, jax.devices()[0], snapshots=False).step_state
     for _ in range(3):
-        _, raw = acting.act_all(acting.networks(nets), raw, env_step)
+        _, raw, _ = acting.act_all(acting.networks(nets), raw, None, env_step)
     assert acting.act_all._cache_size() == 1

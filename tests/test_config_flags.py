@@ -73,7 +73,8 @@ def test_flags_set_every_kind_of_config_field():
         "--drop_when_full", "--nocheck_finite", "--async_context=forkserver",
         "--shutdown_timeout_s=2.5", "--seed=7", "--desync_episodes",
         "--trajectories_per_update=2", "--lockstep", "--action_poll_s=0.001",
-        "--transfer_guard", "--nocheck_env_output", "--eval_every_updates=5",
+        "--transfer_guard", "--nostack_frames_on_device", "--nocheck_env_output",
+        "--eval_every_updates=5",
         "--eval_episodes=3", "--noeval_greedy", "--eval_device=1", "--eval_max_share=0.1",
         "--eval_video_dir=/tmp/videos", "--eval_video_every=4",
         "--env_wrappers=ClipReward(max_reward=0.5), TimeAwareObservation").values()
@@ -84,7 +85,8 @@ def test_flags_set_every_kind_of_config_field():
         "drop_when_full": True, "check_finite": False, "async_context": "forkserver",
         "shutdown_timeout_s": 2.5, "seed": 7, "desync_episodes": True,
         "trajectories_per_update": 2, "agent_ids": False, "lockstep": True,
-        "action_poll_s": 0.001, "transfer_guard": True, "check_env_output": False,
+        "action_poll_s": 0.001, "transfer_guard": True, "stack_frames_on_device": False,
+        "check_env_output": False,
         "eval_every_updates": 5, "eval_episodes": 3, "eval_greedy": False, "eval_device": 1,
         "eval_max_share": 0.1, "eval_video_dir": "/tmp/videos", "eval_video_every": 4,
         "env_wrappers": ("ClipReward(max_reward=0.5)", "TimeAwareObservation")}

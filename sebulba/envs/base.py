@@ -34,7 +34,10 @@ class EnvSource(Protocol):
     A multi-agent source also has `padding_steps` (rows of agents that left their episode
     while their env went on) and `pop_team_episodes()`, as `pettingzoo_source` does.
     A source whose envs were made with render_mode="rgb_array" may have `render()`: the
-    frame of its first env ([H, W, 3] uint8), for evaluation videos.
+    frame of its first env ([H, W, 3] uint8), for evaluation videos. A source whose
+    observations are stacks of frames kept by a known rule may have `frame_stack` (a
+    `frame_stacks.FrameStack`; None or absent otherwise): the acting loop may then send
+    only each observation's newest frame to the device (`Config.stack_frames_on_device`).
     """
 
     num_envs: int

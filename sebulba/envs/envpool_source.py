@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces, close_all
+from sebulba.envs.frame_stacks import envpool_frame_stack
 from sebulba.envs.output_checks import BatchCheck
 from sebulba.types import EnvSpec, EnvStep
 
@@ -192,6 +193,7 @@ class EnvPoolGroups:
             self.close()
             raise
         space = self.pools[0].observation_space
+        self.frame_stack = envpool_frame_stack(self.pools[0].pool)
         self._trackers = [EpisodeTracker(group_size, space) for _ in range(num_groups)]
         # The pools' C++ envs emit arrays of their spec's shapes and types: only NaN and
         # infinite values are left to check.
@@ -265,6 +267,7 @@ class EnvPoolSource:
         self.num_envs = num_groups * group_size
         self._pool = _Pool(task_id, self.num_envs, group_size, seed, env_kwargs)
         self.pool = self._pool.pool
+        self.frame_stack = envpool_frame_stack(self.pool)
         self._render_mode = (env_kwargs or {}).get("render_mode")
         self._tracker = EpisodeTracker(self.num_envs, self.pool.observation_space)
         # The pool's C++ envs emit arrays of their spec's shapes and types: only NaN and

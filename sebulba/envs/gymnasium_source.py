@@ -21,6 +21,7 @@ from sebulba.envs.async_workers import (
     raise_named_worker_death,
 )
 from sebulba.envs.base import EpisodeTracker, action_to_env, check_spaces
+from sebulba.envs.frame_stacks import ale_vector_frame_stack
 from sebulba.envs.output_checks import BatchCheck, CheckedEnv, env_name
 from sebulba.envs.wrappers import EnvWrapper, parse_wrappers, wrapper_function
 from sebulba.types import EnvSpec, EnvStep
@@ -334,6 +335,7 @@ class VectorEnvSource:
         self.vec = vec
         self.num_envs = self.group_size = vec.num_envs
         self._ids = np.arange(self.num_envs)
+        self.frame_stack = ale_vector_frame_stack(vec)
         self._tracker = EpisodeTracker(self.num_envs, vec.single_observation_space)
         self._to_env = action_to_env(vec.single_action_space)
         self._result: tuple | None = None

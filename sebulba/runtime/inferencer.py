@@ -35,6 +35,8 @@ more: benchmarks/RESULTS.md, "Where the trajectory is assembled").
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -47,6 +49,9 @@ import numpy as np
 
 from sebulba.agent import Agent, checked_step_state, strongly_typed
 from sebulba.envs.base import EnvSource
+from sebulba.envs.frame_stacks import FrameStack
+from sebulba.envs.observations import host_dtype
+from sebulba.envs.output_checks import BadEnvOutput
 from sebulba.runtime import sharding, transfers
 from sebulba.runtime.accounting import Accounting, StageClock
 from sebulba.runtime.channels import POLL_SECONDS, ErrorBox, QueueItem, Staging
@@ -63,14 +68,40 @@ MAX_PENDING_CYCLES = 8
 _SNAPSHOT_SLOTS = MAX_PENDING_CYCLES + 1  # a cycle's final StepState is the next's initial
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stack"],
+                   meta_fields=["spec"])
+@dataclasses.dataclass(frozen=True)
+class DeviceFrames:
+    """The frame stacks an inference device keeps for its N envs where only each step's
+    newest frames come from the host (`Config.stack_frames_on_device`): every env's last
+    observation [N, frames x frame_size, ...], restacked by `spec` at each acting call."""
+
+    stack: jax.Array
+    spec: FrameStack
+
+
 class ActorState(NamedTuple):
-    """An inferencer's device state: the StepState of its N envs (leaves [N, ...]) and
+    """An inferencer's device state: the StepState of its N envs (leaves [N, ...]),
     copies of rows taken where a cycle starts (leaves [slots, N, ...]; None for a
-    source whose envs step in order). PRNG keys are held as their raw data
-    (`ActingFunctions`); the acting functions see typed keys."""
+    source whose envs step in order) and the envs' frame stacks (None unless only the
+    newest frames are sent). PRNG keys are held as their raw data (`ActingFunctions`);
+    the acting functions see typed keys."""
 
     step_state: StepState
     snapshots: StepState
+    frames: DeviceFrames | None = None
+
+
+def _restacked(frames: DeviceFrames | None, env_step: EnvStep, ids: jax.Array | None = None
+               ) -> tuple[EnvStep, DeviceFrames | None]:
+    """`env_step` with whole observations, restacked from its newest frames for envs `ids`
+    (None: all, in order), and the frames kept; as they are without `frames`."""
+    if frames is None:
+        return env_step, None
+    previous = frames.stack if ids is None else frames.stack[ids]
+    obs = frames.spec.restack(previous, env_step.obs, env_step.first)
+    stack = obs if ids is None else frames.stack.at[ids].set(obs)
+    return env_step._replace(obs=obs), dataclasses.replace(frames, stack=stack)
 
 
 def _is_shared(x) -> bool:
@@ -99,8 +130,8 @@ class ActingFunctions:
         # ActorOutput's structure, for the host's records of it (leaves): set when an
         # acting function is traced, so before any step is recorded.
         self.output_def: jax.tree_util.PyTreeDef | None = None
-        self.act = jax.jit(self._act, donate_argnums=1)
-        self.act_all = jax.jit(self._act_all, donate_argnums=1)
+        self.act = jax.jit(self._act, donate_argnums=(1, 2))
+        self.act_all = jax.jit(self._act_all, donate_argnums=(1, 2))
         self.snapshot = jax.jit(self._snapshot, donate_argnums=0)  # once a cycle starts
         self.take = jax.jit(self._take, static_argnums=(2, 3))
         self.stack_steps = jax.jit(_stack_steps)  # once a cycle ends (in-order sources)
@@ -127,25 +158,30 @@ class ActingFunctions:
     def _raw(state: StepState) -> StepState:
         return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
 
-    def _act(self, nets: tuple[jax.Array, ...], step_state: StepState, ids: jax.Array,
-             env_step: EnvStep) -> tuple[ActorOutput, StepState]:
-        """Acts for envs `ids` [E] of the N whose StepState rows `step_state` holds."""
+    def _act(self, nets: tuple[jax.Array, ...], step_state: StepState,
+             frames: DeviceFrames | None, ids: jax.Array, env_step: EnvStep
+             ) -> tuple[ActorOutput, StepState, DeviceFrames | None]:
+        """Acts for envs `ids` [E] of the N whose StepState rows `step_state` holds (and
+        whose frame stacks `frames` holds, if `env_step` brings only the newest frames)."""
         step_state = self._typed(step_state)
+        env_step, frames = _restacked(frames, env_step, ids)
         rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
         output, new_rows = self.agent.step(rows, self._nets_def.unflatten(nets), env_step)
         rows = checked_step_state(rows, new_rows)
         self.output_def = jax.tree.structure(output)
         return output, self._raw(jax.tree.map(
-            lambda x, r: r if _is_shared(x) else x.at[ids].set(r), step_state, rows))
+            lambda x, r: r if _is_shared(x) else x.at[ids].set(r), step_state, rows)), frames
 
     def _act_all(self, nets: tuple[jax.Array, ...], step_state: StepState,
-                 env_step: EnvStep) -> tuple[ActorOutput, StepState]:
+                 frames: DeviceFrames | None, env_step: EnvStep
+                 ) -> tuple[ActorOutput, StepState, DeviceFrames | None]:
         """`_act` for all N envs in order, as a vector env steps them: no row gathering."""
         step_state = self._typed(step_state)
+        env_step, frames = _restacked(frames, env_step)
         output, new_state = self.agent.step(step_state, self._nets_def.unflatten(nets),
                                             env_step)
         self.output_def = jax.tree.structure(output)
-        return output, self._raw(checked_step_state(step_state, new_state))
+        return output, self._raw(checked_step_state(step_state, new_state)), frames
 
     def _snapshot(self, snapshots: StepState, step_state: StepState, ids: jax.Array,
                   slots: jax.Array) -> StepState:
@@ -171,9 +207,12 @@ class ActingFunctions:
             else jax.lax.dynamic_slice_in_dim(x, group * size, size), self._typed(rows))
 
     def new_state(self, step_state: StepState, device: jax.Device, *,
-                  snapshots: bool = True) -> ActorState:
+                  snapshots: bool = True, frame_stack: FrameStack | None = None,
+                  num_envs: int = 0) -> ActorState:
         """The state on `device`; without `snapshots` (a source whose envs step in order,
-        whose cycle ends are taken from the step state itself) no snapshot slots."""
+        whose cycle ends are taken from the step state itself) no snapshot slots; with a
+        `frame_stack`, the frame stacks of `num_envs` envs (their first step refills
+        them: `first` holds there)."""
         if self._key_impls is None:  # the same for every thread's StepState
             self._key_impls = [jax.random.key_impl(x) if _is_key(x) else None
                                for x in jax.tree.leaves(step_state)]
@@ -182,7 +221,12 @@ class ActingFunctions:
         if snapshots:
             kept = jax.tree.map(
                 lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype), raw)
-        return jax.device_put(ActorState(raw, kept), device, may_alias=False)
+        frames = None
+        if frame_stack is not None:
+            space = self.agent.env_spec.observation_space
+            frames = DeviceFrames(np.zeros((num_envs, *space.shape), host_dtype(space)),
+                                  frame_stack)
+        return jax.device_put(ActorState(raw, kept, frames), device, may_alias=False)
 
 
 def _stack_steps(steps: list[list[jax.Array]]) -> list[jax.Array]:
@@ -330,6 +374,25 @@ def copies_early_to_host(device: jax.Device) -> bool:
     return device.platform != "cpu"
 
 
+def frame_stack_sent(source: EnvSource, space, device: jax.Device,
+                     on: bool | None) -> FrameStack | None:
+    """The frame stack whose newest frames alone go to `device` (which keeps the stacks),
+    or None. `on` is `Config.stack_frames_on_device`: True takes `source.frame_stack`
+    (ValueError if it has none), None takes it on an accelerator only, whose copy in
+    grows with the observations' bytes (on the CPU the copy costs nearly nothing, and
+    restacking would only add work), False never."""
+    spec = getattr(source, "frame_stack", None)
+    if on and spec is None:
+        raise ValueError(
+            f"stack_frames_on_device=True needs a source whose observations are stacks of "
+            f"frames it declares (its frame_stack; EnvPool's and ale-py's Atari envs); "
+            f"{type(source).__name__}'s observations ({space}) are not")
+    if spec is None or on is False or (on is None and not copies_early_to_host(device)):
+        return None
+    spec.check_space(space)
+    return spec
+
+
 def start_host_copies(output: ActorOutput | jax.Array) -> None:
     transfers.start_to_host(jax.tree.leaves(output))
 
@@ -372,24 +435,30 @@ class EnvGroupRunner:
         lockstep: tuple[int, int] | None = None,
         action_poll_s: float = 0.0,
         transfer_guard: bool = False,
+        stack_frames_on_device: bool | None = None,
     ):
         """`lockstep` = (learner updates at the run's start, trajectories per update):
         cycle c acts only with the networks of update start + c // K, learnt from every
         trajectory before it (`Config.lockstep`; one group, in-order sources only).
-        `action_poll_s`: `Config.action_poll_s`; `transfer_guard`: `Config.transfer_guard`."""
+        `action_poll_s`: `Config.action_poll_s`; `transfer_guard`: `Config.transfer_guard`;
+        `stack_frames_on_device`: `Config.stack_frames_on_device`."""
         if lockstep is not None and not source.in_order:
             raise ValueError("lockstep needs a source whose envs step in order")
         self.first_group = first_group
         self.device = device
         self.source = source
+        self.frame_stack = frame_stack_sent(source, acting.agent.env_spec.observation_space,
+                                            device, stack_frames_on_device)
         if source.in_order:  # one state per group: its envs act together, all of them
             size = source.group_size
             self.group_states = [
                 acting.new_state(sharding.slice_env_axis(step_state, g * size, size), device,
-                                 snapshots=False)
+                                 snapshots=False, frame_stack=self.frame_stack,
+                                 num_envs=size)
                 for g in range(source.num_groups)]
         else:  # one state for all: a batch may hold any of the envs
-            self.state = acting.new_state(step_state, device)
+            self.state = acting.new_state(step_state, device, frame_stack=self.frame_stack,
+                                          num_envs=source.num_envs)
         self.seed = seed
         self.acting = acting
         self.staging = staging
@@ -405,6 +474,7 @@ class EnvGroupRunner:
         self._nets = (None, ())  # the staging area's latest networks, and their leaves
         self.copies_early = copies_early_to_host(device)
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
+        self._pushes = 0  # cycles pushed: which row of the next one the frame check reads
         self._padded = 0  # a multi-agent source's padding steps, accounted so far
         self.finished = False  # the thread left its loop without an error
 
@@ -441,7 +511,7 @@ class EnvGroupRunner:
         """
         self.source.reset(seed=self.seed)
         clock = StageClock()
-        groups = [self._group_steps(g, state.step_state, clock)
+        groups = [self._group_steps(g, state, clock)
                   for g, state in enumerate(self.group_states)]
         self.group_states = []  # the generators hold each group's state from here on
         if not next(groups[0], False):
@@ -455,7 +525,7 @@ class EnvGroupRunner:
             i = j
         self.accounting.add_episodes(self.source.pop_episodes())  # the last cycles'
 
-    def _group_steps(self, g: int, step_state: StepState, clock: StageClock
+    def _group_steps(self, g: int, state: ActorState, clock: StageClock
                      ) -> Iterator[bool]:
         """Group g of an in-order source, half an env step per `next` (True): recv to
         the acting call's dispatch and the work that overlaps it; the action's fetch and
@@ -471,6 +541,7 @@ class EnvGroupRunner:
         """
         source, steps, agent = self.source, self.acting.steps_per_cycle, self.acting.agent
         device, learner_devices = self.device, self.learner_devices
+        step_state, frames = state.step_state, state.frames
         initial = agent.shard_step_state(self.acting.typed(step_state), learner_devices)
         record: _Cycle | None = None
         unwritten = None  # (cycle, t, action, output) of the last step, not yet recorded
@@ -505,8 +576,8 @@ class EnvGroupRunner:
                 version, nets = self._latest_networks()
                 record = _Cycle(version, env_step, source.group_size, steps)
             clock.lap("record")  # a cycle's end and start: the dispatch is timed alone
-            output, step_state = self.acting.act_all(nets, step_state,
-                                                     transfers.to_device(env_step, device, OBS))
+            output, step_state, frames = self.acting.act_all(
+                nets, step_state, frames, transfers.to_device(self._sent(env_step), device, OBS))
             if self.copies_early:
                 start_host_copies(output.action)  # the extras stay until the cycle ends
             clock.lap("dispatch")
@@ -529,6 +600,13 @@ class EnvGroupRunner:
             unwritten = (record, t, action, output)
             t += 1
             yield True
+
+    def _sent(self, env_step: EnvStep) -> EnvStep:
+        """What of `env_step` goes to the device: all of it, or only each observation's
+        newest frame where the device keeps the frame stacks."""
+        if self.frame_stack is None:
+            return env_step
+        return env_step._replace(obs=self.frame_stack.newest(env_step.obs))
 
     def _push_before_acting(self) -> bool:
         """Whether a finished cycle goes on the queue before the next cycle's first acting
@@ -592,7 +670,8 @@ class EnvGroupRunner:
                 cycle[done] += 1
                 cursor[done] = 0
                 env_cursor = cursor[ids]
-            ids32, on_device = transfers.to_device((ids.astype(np.int32), env_step), device, OBS)
+            ids32, on_device = transfers.to_device((ids.astype(np.int32), self._sent(env_step)),
+                                                   device, OBS)
             starts = env_cursor == 0
             if starts.any():  # keep the StepState rows a trajectory starts from
                 kept_in = np.where(starts, cycle[ids] % _SNAPSHOT_SLOTS, _SNAPSHOT_SLOTS)
@@ -639,8 +718,9 @@ class EnvGroupRunner:
         """Starts the acting call for a batch of envs `ids32` (by id) and the copy of its
         outputs to the host; the batch's bookkeeping before it is timed as record."""
         clock.lap("record")
-        output, step_state = self.acting.act(nets, self.state.step_state, ids32, env_step)
-        self.state = self.state._replace(step_state=step_state)
+        output, step_state, frames = self.acting.act(nets, self.state.step_state,
+                                                     self.state.frames, ids32, env_step)
+        self.state = self.state._replace(step_state=step_state, frames=frames)
         if self.copies_early:
             start_host_copies(output)
         clock.lap("dispatch")
@@ -730,6 +810,8 @@ class EnvGroupRunner:
         Counts the episodes that ended since the last push, of every group of the source
         (the in-order loop asks for them nowhere else while it runs)."""
         self.accounting.add_episodes(self.source.pop_episodes())
+        if self.frame_stack is not None:
+            self._check_frames(g, record)
         if record.device_extras and record.device_extras[0]:  # an in-order loop's
             stacked = self.acting.stack_steps(record.device_extras)  # one call, [E, T, ...]
             record.outputs += transfers.to_host_all(stacked, "cycle: extras to host")
@@ -746,6 +828,25 @@ class EnvGroupRunner:
         self.partial_steps -= num_steps
         clock.lap("queue_put")
         return True
+
+    def _check_frames(self, g: int, record: _Cycle) -> None:
+        """BadEnvOutput unless one env's observations in group g's cycle `record` (a
+        different env each cycle) keep the source's frame stack: the device restacks each
+        step's newest frame by that rule, so a source that broke it would have the agent
+        act on observations other than those its trajectory holds. One env's T frames a
+        cycle: a small share of what the cycle copies."""
+        env = self._pushes % self.source.group_size
+        self._pushes += 1
+        obs, first = record.env_steps.obs[env], record.env_steps.first[env]
+        t = self.frame_stack.mismatch(obs, first)
+        if t is not None:
+            group = self.first_group + g
+            raise BadEnvOutput(
+                f"env {env} of group {group}: its observation at step {t} of a cycle does "
+                f"not follow the one before as {self.frame_stack} says (the source's "
+                "frame_stack), so the stacks the inference device restacks from the newest "
+                "frames would differ from the env's; run with stack_frames_on_device=False",
+                place=f"env {env} of group {group}", field="obs")
 
     def _put(self, item: QueueItem) -> bool:
         """Puts `item` on the queue; False if the run stopped first."""

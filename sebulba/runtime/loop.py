@@ -641,6 +641,7 @@ class Sebulba:
                     lockstep=lockstep,
                     action_poll_s=cfg.action_poll_seconds,
                     transfer_guard=cfg.transfer_guard,
+                    stack_frames_on_device=cfg.stack_frames_on_device,
                 ))
         except BaseException:
             close_quietly([source for _, _, source in sources])
