@@ -107,11 +107,12 @@ def sent_observations(monkeypatch) -> list[tuple[int, ...]]:
     return shapes
 
 
-def run(vectorization: str, stacked: bool | None, steps: int = 2 * 2 * E * T * 6):
+def run(vectorization: str, stacked: bool | None, steps: int = 2 * 2 * E * T * 6,
+        guarded: bool = False):
     env, kwargs = SOURCES[vectorization]
     config = sebulba.Config(env=env, env_kwargs=kwargs, vectorization=vectorization,
                             envs_per_group=E, steps_per_cycle=T, async_factor=2,
-                            stack_frames_on_device=stacked)
+                            stack_frames_on_device=stacked, transfer_guard=guarded)
     agent = ObservationDigests(config.env_spec())
     result = sebulba.Sebulba(agent, config).run(steps, progress_timeout_s=60)
     assert result.env_steps == result.consumed + result.dropped + result.in_flight
@@ -126,7 +127,9 @@ def run(vectorization: str, stacked: bool | None, steps: int = 2 * 2 * E * T * 6
 def test_the_agent_acts_on_the_observations_its_trajectory_holds(vectorization, monkeypatch,
                                                                   no_leftovers):
     shapes = sent_observations(monkeypatch)
-    seen = run(vectorization, True)
+    # Under the transfer guard: the frame stacks stay on the device, and the newest frames
+    # are the one copy in of each acting call.
+    seen = run(vectorization, True, guarded=True)
     assert seen.steps >= 2 * E * T * 4
     assert seen.firsts >= 2 * E * 3  # episodes of at most 12 steps: the stacks refilled
     assert seen.mismatches == 0
