@@ -240,8 +240,9 @@ class Config:
                              "videos go to, or None for no videos")
         if not (self.stack_frames_on_device is None
                 or isinstance(self.stack_frames_on_device, bool)):
-            raise ValueError(f"stack_frames_on_device must be a bool or None (on accelerators "
-                             f"only), got {self.stack_frames_on_device!r}")
+            raise ValueError(f"stack_frames_on_device must be a bool, or None (on "
+                             f"accelerators, off on the CPU), got "
+                             f"{self.stack_frames_on_device!r}")
         poll = self.action_poll_s
         if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float)
                                  or not 0 <= poll <= 1):

@@ -6,8 +6,10 @@ is caught."""
 from __future__ import annotations
 
 import importlib.util
+import types
 from typing import NamedTuple
 
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,10 +110,10 @@ def sent_observations(monkeypatch) -> list[tuple[int, ...]]:
 
 
 def run(vectorization: str, stacked: bool | None, steps: int = 2 * 2 * E * T * 6,
-        guarded: bool = False):
+        guarded: bool = False, async_factor: int = 2):
     env, kwargs = SOURCES[vectorization]
     config = sebulba.Config(env=env, env_kwargs=kwargs, vectorization=vectorization,
-                            envs_per_group=E, steps_per_cycle=T, async_factor=2,
+                            envs_per_group=E, steps_per_cycle=T, async_factor=async_factor,
                             stack_frames_on_device=stacked, transfer_guard=guarded)
     agent = ObservationDigests(config.env_spec())
     result = sebulba.Sebulba(agent, config).run(steps, progress_timeout_s=60)
@@ -120,16 +122,19 @@ def run(vectorization: str, stacked: bool | None, steps: int = 2 * 2 * E * T * 6
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("vectorization", [
-    pytest.param("envpool", marks=needs_envpool),
-    pytest.param("envpool_async", marks=needs_envpool),
-    pytest.param("vector_entry_point", marks=needs_ale)])
-def test_the_agent_acts_on_the_observations_its_trajectory_holds(vectorization, monkeypatch,
-                                                                  no_leftovers):
+@pytest.mark.parametrize("vectorization,async_factor", [
+    pytest.param("envpool", 2, marks=needs_envpool),
+    pytest.param("envpool_async", 2, marks=needs_envpool),
+    # Three groups in one pool: envs that run ahead of their group are held back, their
+    # actions sent later (the by-id loop's `_HoldBack`).
+    pytest.param("envpool_async", 3, marks=needs_envpool),
+    pytest.param("vector_entry_point", 2, marks=needs_ale)])
+def test_the_agent_acts_on_the_observations_its_trajectory_holds(
+        vectorization, async_factor, monkeypatch, no_leftovers):
     shapes = sent_observations(monkeypatch)
     # Under the transfer guard: the frame stacks stay on the device, and the newest frames
     # are the one copy in of each acting call.
-    seen = run(vectorization, True, guarded=True)
+    seen = run(vectorization, True, guarded=True, async_factor=async_factor)
     assert seen.steps >= 2 * E * T * 4
     assert seen.firsts >= 2 * E * 3  # episodes of at most 12 steps: the stacks refilled
     assert seen.mismatches == 0
@@ -159,19 +164,29 @@ def test_the_default_stacks_frames_on_accelerators_only():
     frames = sebulba.envs.env_spec("Breakout-v5", vectorization="envpool").observation_space \
         if HAS_ENVPOOL else None
     cpu = jax.devices("cpu")[0]
+    gpu = types.SimpleNamespace(platform="gpu")  # only its platform is read
     assert inferencer.frame_stack_sent(Source(), frames, cpu, None) is None
     assert inferencer.frame_stack_sent(Source(), frames, cpu, False) is None
+    assert inferencer.frame_stack_sent(Source(), frames, gpu, False) is None
     if frames is not None:
         assert inferencer.frame_stack_sent(Source(), frames, cpu, True) == FrameStack(4)
-    with pytest.raises(ValueError, match=r"does not fit observations of shape \(4,\)"):
+        assert inferencer.frame_stack_sent(Source(), frames, gpu, None) == FrameStack(4)
+    with pytest.raises(ValueError, match=r"does not fit observations of shape \(4,\): "
+                                         "frames need at least two axes"):
         inferencer.frame_stack_sent(Source(), space, cpu, True)
+    wrong = gym.spaces.Box(0, 255, (3, 84, 84), np.uint8)
+    with pytest.raises(ValueError, match=r"shape \(3, 84, 84\): their first axis must hold "
+                                         "frames x frame_size = 4 entries"):
+        inferencer.frame_stack_sent(Source(), wrong, gpu, None)
 
     class NoStack:
         pass
 
     assert inferencer.frame_stack_sent(NoStack(), space, cpu, None) is None
-    with pytest.raises(ValueError, match="stack_frames_on_device=True needs a source whose "
-                                         "observations are stacks of frames"):
+    assert inferencer.frame_stack_sent(NoStack(), space, gpu, None) is None
+    with pytest.raises(ValueError, match="stack_frames_on_device=True needs a source that "
+                                         "declares its observations' frame stack .*NoStack "
+                                         ".*declares none; .*without episodic_life"):
         inferencer.frame_stack_sent(NoStack(), space, cpu, True)
 
 
@@ -197,9 +212,13 @@ def test_a_source_that_breaks_its_frame_rule_stops_the_run(no_leftovers):
                                 steps_per_cycle=T, stack_frames_on_device=True)
         agent = ObservationDigests(config.env_spec())
         with pytest.raises(sebulba.envs.BadEnvOutput,
-                           match=r"step \d+ of a cycle does not follow the one before as "
-                                 r"FrameStack\(frames=4, frame_size=1, padding='zeros'\)"):
+                           match=r"env \d of group \d \(EnvPoolGroups\): its observation "
+                                 r"at step \d+ of a cycle does not follow the one before as "
+                                 r"its source's frame_stack, FrameStack\(frames=4, "
+                                 r"frame_size=1, padding='zeros'\), says \(an episode starts "
+                                 r"there, and its older frames are not zeros\)") as caught:
             sebulba.Sebulba(agent, config).run(2 * E * T * 40, progress_timeout_s=60)
+        assert caught.value.field == "obs" and 1 <= caught.value.step <= T
     finally:
         registry.unregister("envpool_wrong_frames")
 
@@ -222,10 +241,21 @@ def test_restacking_on_the_device_and_on_the_host_agree(padding):
     for t in range(4):
         obs.append(spec.restack(obs[-1][None], newest[t:t + 1], first[t:t + 1], xp=np)[0])
     obs = np.stack(obs)
-    assert spec.mismatch(obs, np.r_[True, first[:4]]) is None
+    starts = np.r_[True, first[:4]]
+    assert spec.mismatch(obs, starts) is None
+    assert starts.tolist() == [True, True, False, True, False]
     broken = obs.copy()
-    broken[3, 0] += 1
-    assert spec.mismatch(broken, np.r_[True, first[:4]]) == 3
+    broken[4, 0] += 1  # an older frame where the episode goes on
+    assert spec.mismatch(broken, starts) == (
+        4, "its older frames are not the previous observation's newer ones")
+    broken = obs.copy()
+    broken[3, 0] += 1  # the padding where an episode starts
+    fill = "the newest frame repeated" if padding == "repeat" else "zeros"
+    assert spec.mismatch(broken, starts) == (
+        3, f"an episode starts there, and its older frames are not {fill}")
+    broken = obs.copy()
+    broken[4, 5] += 1  # the last newest frame: nothing after it to compare it with
+    assert spec.mismatch(broken, starts) is None
 
 
 @pytest.mark.parametrize("kwargs,message", [

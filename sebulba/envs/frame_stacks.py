@@ -52,8 +52,11 @@ class FrameStack:
 
     def check_space(self, space: gym.Space) -> None:
         """ValueError unless `space` holds observations of this stack."""
-        shape = getattr(space, "shape", None) or ()
-        if len(shape) < 2 or shape[0] != self.frames * self.frame_size:
+        shape = tuple(getattr(space, "shape", None) or ())
+        if len(shape) < 2:
+            raise ValueError(f"{self} does not fit observations of shape {shape}: frames "
+                             "need at least two axes, the stack's and a frame's own")
+        if shape[0] != self.frames * self.frame_size:
             raise ValueError(f"{self} does not fit observations of shape {shape}: their "
                              f"first axis must hold frames x frame_size = "
                              f"{self.frames * self.frame_size} entries")
@@ -79,13 +82,30 @@ class FrameStack:
         where = xp.reshape(first, (-1,) + (1,) * (len(stack.shape) - 1))
         return xp.where(where, refilled, shifted)
 
-    def mismatch(self, obs: np.ndarray, first: np.ndarray) -> int | None:
+    def mismatch(self, obs: np.ndarray, first: np.ndarray) -> tuple[int, str] | None:
         """The first step t >= 1 of one env's consecutive observations `obs` [T, ...]
-        (`first` [T]) whose observation does not follow the one before by this rule, or
-        None."""
-        expected = self.restack(obs[:-1], self.newest(obs[1:]), first[1:], xp=np)
-        wrong = np.flatnonzero((expected != obs[1:]).reshape(len(obs) - 1, -1).any(axis=1))
-        return int(wrong[0]) + 1 if len(wrong) else None
+        (`first` [T]) whose observation does not follow the one before by this rule, and
+        what is wrong with it; None if every one does. Slices compared, no stack built
+        (it runs once a cycle, on the inferencer thread)."""
+        size, first = self.frame_size, np.asarray(first[1:], bool)
+        # Where the episode goes on, the older frames are the previous one's newer frames.
+        goes_on = (obs[1:, :-size] != obs[:-1, size:]).reshape(len(first), -1).any(axis=1)
+        goes_on &= ~first
+        starts = np.flatnonzero(first)
+        refill = np.zeros(len(first), bool)
+        if len(starts):  # where an episode starts, padding before the newest frame
+            older = obs[starts + 1, :-size]
+            padding = (np.concatenate([obs[starts + 1, -size:]] * (self.frames - 1), axis=1)
+                       if self.padding == "repeat" else np.zeros_like(older))
+            refill[starts] = (older != padding).reshape(len(starts), -1).any(axis=1)
+        wrong = np.flatnonzero(goes_on | refill)
+        if not len(wrong):
+            return None
+        t = int(wrong[0])
+        if refill[t]:
+            fill = "the newest frame repeated" if self.padding == "repeat" else "zeros"
+            return t + 1, f"an episode starts there, and its older frames are not {fill}"
+        return t + 1, "its older frames are not the previous observation's newer ones"
 
 
 def envpool_frame_stack(pool: Any) -> FrameStack | None:

@@ -223,6 +223,9 @@ class ActingFunctions:
                 lambda x: jnp.zeros((_SNAPSHOT_SLOTS,) + jnp.shape(x), x.dtype), raw)
         frames = None
         if frame_stack is not None:
+            if num_envs < 1:
+                raise ValueError(f"a frame stack needs the envs' number (num_envs >= 1), "
+                                 f"got {num_envs!r}")
             space = self.agent.env_spec.observation_space
             frames = DeviceFrames(np.zeros((num_envs, *space.shape), host_dtype(space)),
                                   frame_stack)
@@ -384,9 +387,11 @@ def frame_stack_sent(source: EnvSource, space, device: jax.Device,
     spec = getattr(source, "frame_stack", None)
     if on and spec is None:
         raise ValueError(
-            f"stack_frames_on_device=True needs a source whose observations are stacks of "
-            f"frames it declares (its frame_stack; EnvPool's and ale-py's Atari envs); "
-            f"{type(source).__name__}'s observations ({space}) are not")
+            f"stack_frames_on_device=True needs a source that declares its observations' "
+            f"frame stack (frame_stack), and {type(source).__name__} (observations {space}) "
+            "declares none; the shipped ones that do: 'envpool' and 'envpool_async' with an "
+            "Atari task of stack_num > 1 without episodic_life (whose stack goes on across "
+            "a life lost), and 'vector_entry_point' with ale-py's Atari vector env")
     if spec is None or on is False or (on is None and not copies_early_to_host(device)):
         return None
     spec.check_space(space)
@@ -474,7 +479,8 @@ class EnvGroupRunner:
         self._nets = (None, ())  # the staging area's latest networks, and their leaves
         self.copies_early = copies_early_to_host(device)
         self.partial_steps = 0  # env steps taken in cycles not yet on the queue
-        self._pushes = 0  # cycles pushed: which row of the next one the frame check reads
+        # Cycles each group pushed with its frames checked: which env the next check reads.
+        self._frame_checks = np.zeros(source.num_groups, np.int64)
         self._padded = 0  # a multi-agent source's padding steps, accounted so far
         self.finished = False  # the thread left its loop without an error
 
@@ -835,18 +841,19 @@ class EnvGroupRunner:
         step's newest frame by that rule, so a source that broke it would have the agent
         act on observations other than those its trajectory holds. One env's T frames a
         cycle: a small share of what the cycle copies."""
-        env = self._pushes % self.source.group_size
-        self._pushes += 1
-        obs, first = record.env_steps.obs[env], record.env_steps.first[env]
-        t = self.frame_stack.mismatch(obs, first)
-        if t is not None:
-            group = self.first_group + g
+        env = int(self._frame_checks[g] % self.source.group_size)
+        self._frame_checks[g] += 1
+        found = self.frame_stack.mismatch(record.env_steps.obs[env],
+                                          record.env_steps.first[env])
+        if found is not None:
+            t, problem = found
+            place = f"env {env} of group {self.first_group + g}"
             raise BadEnvOutput(
-                f"env {env} of group {group}: its observation at step {t} of a cycle does "
-                f"not follow the one before as {self.frame_stack} says (the source's "
-                "frame_stack), so the stacks the inference device restacks from the newest "
-                "frames would differ from the env's; run with stack_frames_on_device=False",
-                place=f"env {env} of group {group}", field="obs")
+                f"{place} ({type(self.source).__name__}): its observation at step {t} of a "
+                f"cycle does not follow the one before as its source's frame_stack, "
+                f"{self.frame_stack}, says ({problem}), so the stacks the inference device "
+                "restacks from each newest frame differ from the env's; run with "
+                "stack_frames_on_device=False", place=place, step=t, field="obs")
 
     def _put(self, item: QueueItem) -> bool:
         """Puts `item` on the queue; False if the run stopped first."""
