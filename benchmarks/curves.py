@@ -15,6 +15,11 @@ them, as dots).
         --agent_config='{"use_lstm": true}'
     python -m benchmarks.curves --agent=impala --env=CartPole-v1 --steps=1000000 \\
         --seeds=0,1,2,3 --loop_config='{"envs_per_group": 32, "steps_per_cycle": 32}'
+    python -m benchmarks.curves --agent=ppo --env=CartPole-v1 --reward_scale=1e-6
+
+`--reward_scale` multiplies the env's rewards (a gymnasium env id, "sync" or "async"
+vectorization): the defaults should learn at any scale. Returns are recorded divided by
+it, in the env's own units.
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ import time
 from typing import Any
 
 from benchmarks._util import emit, int_list, meta
+
+
+def reward_scaled_env(env_id: str, scale: float):
+    """`env_id`'s env with its rewards multiplied by `scale` (a module-level factory:
+    async workers unpickle it)."""
+    import gymnasium as gym
+
+    return gym.wrappers.TransformReward(gym.make(env_id), lambda r: r * scale)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loop_config", type=json.loads, default={},
                    help="JSON object of sebulba.Config fields besides env and seed "
                         '(e.g. {"envs_per_group": 32, "steps_per_cycle": 32})')
+    p.add_argument("--reward_scale", type=float, default=1.0,
+                   help="multiply the env's rewards by this (returns are recorded divided "
+                        "by it)")
     p.add_argument("--bins", type=int, default=20, help="points of the binned curve")
     p.add_argument("--plot", default="", help="PNG file to write the curves to")
     args = p.parse_args(argv)
@@ -47,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name} must be a JSON object, got {getattr(args, name)!r}")
     if {"env", "seed"} & set(args.loop_config):
         p.error("--loop_config sets neither env nor seed: use --env and --seeds")
+    if not (0 < abs(args.reward_scale) < float("inf")):
+        p.error(f"--reward_scale must be a finite number other than 0, got "
+                f"{args.reward_scale!r}")
     return args
 
 
@@ -64,6 +83,7 @@ def binned_curve(episodes: list[tuple[int, float, int]], total: int, bins: int
 
 def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     import dataclasses
+    import functools
 
     import numpy as np
 
@@ -72,11 +92,15 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
     entry = AGENTS[args.agent]
     agent_config = dataclasses.replace(entry.config_class(), **args.agent_config)
-    agent = entry.build(sebulba.env_spec(args.env), agent_config)
-    config = sebulba.Config(env=args.env, seed=seed, **args.loop_config)
+    scale = args.reward_scale
+    env = args.env if scale == 1.0 else functools.partial(reward_scaled_env, args.env, scale)
+    agent = entry.build(sebulba.env_spec(env), agent_config)
+    config = sebulba.Config(env=env, seed=seed, **args.loop_config)
     result = sebulba.Sebulba(agent, config).run(args.steps)
+    episodes = [(s, r / scale, n) for s, r, n in result.episodes]  # the env's own units
     return {
         "record": "run", "agent": args.agent, "env": args.env, "seed": seed,
+        "reward_scale": scale,
         "agent_config": args.agent_config, "loop_config": args.loop_config,
         "env_steps": result.env_steps,
         "wall_seconds": round(result.wall_seconds, 1),
@@ -85,9 +109,9 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "learner_updates_per_second": round(result.learner_updates / result.wall_seconds, 2),
         "optimizer_steps": result.optimizer_steps,
         "optimizer_steps_per_second": round(result.optimizer_steps / result.wall_seconds, 1),
-        "last_10pct_return": round(result.mean_return(0.9, 1.0), 2),
+        "last_10pct_return": round(result.mean_return(0.9, 1.0) / scale, 2),
         "episodes": result.episodes_total,
-        "curve": binned_curve(result.episodes, result.env_steps, args.bins),
+        "curve": binned_curve(episodes, result.env_steps, args.bins),
         # Evaluation during training (loop_config's eval_every_updates), at the env step
         # its networks were published: (env steps, mean return, episodes).
         "evaluations": [(e.env_steps, round(float(np.mean(e.result.returns)), 2),

@@ -329,3 +329,26 @@ class SlowToMakeEnv(CountingEnv):
         super().__init__()
         if multiprocessing.parent_process() is not None:
             time.sleep(60)
+
+
+class PointAtTargetEnv(gym.Env):
+    """One-step episodes: observe a target in [-1, 1], act in Box(low, high), and be paid
+    minus the distance from the target to the action mapped linearly onto [-1, 1]. A
+    policy that acts across the bounds learns it in a few thousand steps, whatever
+    their scale."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self, low: float = -1.0, high: float = 1.0):
+        self.action_space = gym.spaces.Box(low, high, (1,), np.float32)
+        self.low, self.high = low, high
+        self.target = 0.0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.target = float(self.np_random.uniform(-1.0, 1.0))
+        return np.array([self.target], np.float32), {}
+
+    def step(self, action):
+        mapped = 2.0 * (float(action[0]) - self.low) / (self.high - self.low) - 1.0
+        return np.array([self.target], np.float32), -abs(mapped - self.target), True, False, {}

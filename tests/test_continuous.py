@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import gymnasium as gym
@@ -41,6 +42,51 @@ def test_gaussian_log_prob_entropy_and_samples_match_the_formulas():
     np.testing.assert_allclose(samples.mean(0), mean[0], atol=0.05)
     np.testing.assert_allclose(samples.std(0), std[0], rtol=0.03)
     np.testing.assert_array_equal(dist.mode(), mean)
+
+
+@pytest.mark.timeout(60)
+def test_a_gaussian_policy_starts_spread_over_the_bounds_whatever_their_scale():
+    def head_for(low, high, shape=(2,)):
+        head = distributions.policy_head_for(gym.spaces.Box(low, high, shape, np.float32))
+        params = head.init(jax.random.key(0), jnp.zeros((1, 3)))
+        return head.apply(params, jnp.ones((5, 3)))
+
+    unit = head_for(-1.0, 1.0)
+    for low, high in ((-1000.0, 1000.0), (-0.01, 0.01), (0.0, 10.0)):
+        middle, half = (low + high) / 2, (high - low) / 2
+        dist = head_for(low, high)
+        np.testing.assert_allclose(dist.mean, middle + half * unit.mean, rtol=1e-5)
+        np.testing.assert_allclose(np.exp(dist.log_std), half * np.exp(unit.log_std),
+                                   rtol=1e-5)
+    # Without finite bounds (or with float32's max standing for none) the env's own units.
+    for bound in (np.inf, np.finfo(np.float32).max):
+        dist = head_for(-bound, bound)
+        np.testing.assert_array_equal(dist.mean, unit.mean)
+        np.testing.assert_array_equal(dist.log_std, unit.log_std)
+    mixed = head_for(np.array([-5.0, -np.inf]), np.array([5.0, np.inf]))
+    np.testing.assert_allclose(np.exp(mixed.log_std[:, 0]), 5.0 * np.exp(unit.log_std[:, 0]),
+                               rtol=1e-5)
+    np.testing.assert_array_equal(mixed.log_std[:, 1], unit.log_std[:, 1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("agent_class", [PPO, IMPALA])
+def test_a_gaussian_policy_learns_alike_at_any_scale_of_the_bounds(agent_class, no_leftovers):
+    # One-step episodes, paid for acting at a target mapped onto the bounds: in raw units
+    # a policy of std 1 acted near the middle of [-1000, 1000] (PPO -0.49 after 16k steps)
+    # and at the bounds of [-0.01, 0.01] (-0.51), where [-1, 1] reached -0.22.
+    from tests.envs import PointAtTargetEnv
+
+    returns = []
+    for bound in (1.0, 1000.0, 0.01):
+        env = functools.partial(PointAtTargetEnv, -bound, bound)
+        config = sebulba.Config(env=env, envs_per_group=16, steps_per_cycle=16,
+                                async_factor=1, seed=0)
+        result = sebulba.Sebulba(agent_class(sebulba.env_spec(env)), config).run(16_384)
+        returns.append(result.mean_return(0.9, 1.0))
+    # Acting at the middle earns about -0.5; the policy has learnt to point.
+    assert returns[0] > -0.45, returns
+    np.testing.assert_allclose(returns[1:], returns[0], atol=0.02)
 
 
 @pytest.mark.timeout(60)
@@ -182,7 +228,9 @@ def test_impala_scales_rewards_by_default(env, kwargs, expected):
     # The actors accumulate returns where rewards are scaled.
     assert agent.return_discount == (None if expected == "off" else agent.config.discount)
     ppo = PPO(sebulba.env_spec("CartPole-v1"), PPOConfig())
-    assert ppo.return_discount is None  # PPO's feed-forward discrete default: raw rewards
+    assert ppo.return_discount == ppo.config.discount  # PPO scales rewards whatever the
+    off = PPO(sebulba.env_spec("CartPole-v1"), PPOConfig(normalize_rewards="off"))
+    assert off.return_discount is None  # actions, unless told not to
 
 
 @pytest.mark.timeout(60)

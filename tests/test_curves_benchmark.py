@@ -31,3 +31,22 @@ def test_a_run_records_its_curve_and_the_plot_names_its_config(tmp_path, capsys,
 
     assert curves.plot_title([run]).startswith("spg on CartPole-v1, learning_rate=0.003 (")
     assert ", default config (" in curves.plot_title([{**run, "agent_config": {}}])
+
+
+@pytest.mark.timeout(120)
+def test_rewards_scaled_are_recorded_in_the_envs_own_units(capsys, no_leftovers):
+    curves.main(["--agent=spg", "--env=CartPole-v1", "--steps=2048", "--seeds=0",
+                 "--bins=2", "--reward_scale=1000",
+                 '--loop_config={"envs_per_group": 8, "steps_per_cycle": 16}'])
+    run = [json.loads(line) for line in capsys.readouterr().out.splitlines()][1]
+    assert run["reward_scale"] == 1000.0
+    # CartPole pays 1 a step, 1000 here: divided back, a return is an episode's length.
+    returns = [r for _, r in run["curve"] if r is not None] + [run["last_10pct_return"]]
+    assert returns and all(8 <= r <= 500 for r in returns), returns
+
+
+@pytest.mark.parametrize("value", ["0", "inf", "nan"])
+def test_a_reward_scale_that_scales_nothing_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        curves.parse_args([f"--reward_scale={value}"])
+    assert "--reward_scale must be a finite number other than 0" in capsys.readouterr().err

@@ -18,7 +18,10 @@ axes are batch axes ([E] when acting, [B, T] in a loss).
 - `Box(shape)`: `DiagGaussian(mean [..., *shape], log_std [..., *shape])`, actions float32
   [..., *shape], unbounded: the env boundary clips them to the space's bounds
   (`sebulba.envs.action_to_env`) while the agent keeps the unclipped sample, so its
-  log-probability is the one of the action it learns from.
+  log-probability is the one of the action it learns from. The head works in units of
+  the bounds (`box_units`): a mean of 0 is their middle and a std of 1 half their width,
+  so a policy starts spread over [low, high] whatever their scale (torques of 1e3 or of
+  0.4); entries without finite bounds are in the env's own units.
 """
 
 from __future__ import annotations
@@ -194,6 +197,21 @@ def _clip_returning_bwd(low, high, x, g):
 clip_returning.defvjp(_clip_returning_fwd, _clip_returning_bwd)
 
 
+def box_units(space: gym.spaces.Box) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(middle, half width) of each entry of a Box's bounds, flattened, or None where
+    every entry's are -1 and 1 (nothing to scale). An entry with an infinite bound, or one
+    of 1e30 or more (float32's max stands for none in some envs), or no width keeps the
+    env's units: middle 0, half width 1."""
+    low = np.asarray(space.low, np.float64).reshape(-1)
+    high = np.asarray(space.high, np.float64).reshape(-1)
+    bounded = (np.abs(low) < 1e30) & (np.abs(high) < 1e30) & (high > low)
+    low, high = np.where(bounded, low, -1.0), np.where(bounded, high, 1.0)
+    middle, half = (low + high) / 2, (high - low) / 2
+    if np.all(middle == 0.0) and np.all(half == 1.0):
+        return None
+    return tuple(middle.tolist()), tuple(half.tolist())
+
+
 class GaussianHead(nn.Module):
     """Features [..., D] -> `DiagGaussian` over actions of `shape`.
 
@@ -203,7 +221,9 @@ class GaussianHead(nn.Module):
     on-policy learning), or a second linear output of the features. It starts at
     `init_log_std` and is kept in [min_log_std, max_log_std] so a policy can neither
     collapse to a point nor explode (`clip_returning`: a log-std past a bound can still
-    be brought back by the loss).
+    be brought back by the loss). With `units` (`box_units`: middle, half width of each
+    flattened entry) mean and std are in those units: mean = middle + half x output, std
+    = half x exp(log-std), the bounds of the log-std applied before.
     """
 
     shape: tuple[int, ...]
@@ -211,6 +231,7 @@ class GaussianHead(nn.Module):
     init_log_std: float = 0.0
     min_log_std: float = -5.0
     max_log_std: float = 2.0
+    units: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> DiagGaussian:
@@ -225,6 +246,10 @@ class GaussianHead(nn.Module):
                                  (size,))
             log_std = jnp.broadcast_to(log_std, batch + (size,))
         log_std = clip_returning(log_std, self.min_log_std, self.max_log_std)
+        if self.units is not None:
+            middle, half = (jnp.asarray(u, jnp.float32) for u in self.units)
+            mean = middle + half * mean
+            log_std = log_std + jnp.log(half)
         return DiagGaussian(mean.reshape(batch + self.shape),
                             log_std.reshape(batch + self.shape), len(self.shape))
 
@@ -238,7 +263,8 @@ def policy_head_for(action_space: gym.Space, *, state_dependent_std: bool = Fals
         return MultiCategoricalHead(tuple(int(n) for n in np.asarray(action_space.nvec)))
     if isinstance(action_space, gym.spaces.Box):
         return GaussianHead(tuple(int(d) for d in action_space.shape),
-                            state_dependent_std=state_dependent_std)
+                            state_dependent_std=state_dependent_std,
+                            units=box_units(action_space))
     raise ValueError(f"no policy head for action space {action_space!r}: expected "
                      "Discrete, MultiDiscrete or Box")
 

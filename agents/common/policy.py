@@ -35,9 +35,10 @@ REWARD_SWITCHES = ("auto", "on", "down", "off")  # "down": only a std above 1 di
 
 
 def switch_on(value: str, action_space: gym.Space) -> bool:
-    """An "auto" | "on" | "off" option: "auto" is on for continuous (Box) actions, where
-    observation and reward scales vary most between tasks (MuJoCo), as CleanRL's
-    continuous PPO normalizes both, and off for discrete actions."""
+    """`normalize_observations`: "auto" is on for continuous (Box) actions, where
+    observation scales vary most between tasks (MuJoCo), as CleanRL's continuous PPO
+    normalizes them, and off for discrete actions (on, PPO learnt nothing on Acrobot:
+    benchmarks/HISTORY.md, "Observation normalization for discrete actions")."""
     return value == "on" or (value == "auto" and isinstance(action_space, gym.spaces.Box))
 
 
@@ -51,10 +52,11 @@ class ActorCriticOptions:
         (`agents.common.normalization`); "auto": on for Box action spaces.
       normalize_rewards: "auto" | "on" | "down" | "off": divide rewards, for learning
         only, by the running std of the discounted return (the actors accumulate it; the
-        learner keeps the moments); "down": only where that std exceeds 1. "auto": on for
-        Box action spaces and with an LSTM, so that one setting learns rewards of 1/50 or
-        1 a step (benchmarks/RESULTS.md, "The memory suite"); otherwise off (IMPALA:
-        "down", or "off" with its `reward_clip`).
+        learner keeps the moments); "down": only where that std exceeds 1. "auto": on, so
+        that one setting learns rewards of 1/50 or 1 a step (benchmarks/RESULTS.md, "The
+        memory suite") and of any scale (PPO on CartPole x1e-6 and x1e6, "Reward scales");
+        IMPALA's feed-forward agent with discrete actions takes "down" instead (or "off"
+        with its `reward_clip`).
       state_dependent_std: a Gaussian policy's log-std is a linear output of the
         features; False (CleanRL's choice): one learnt parameter per action dimension.
       gaussian_entropy_cost: weight of the entropy bonus of a Gaussian policy (Box
@@ -102,10 +104,8 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
             central_agents=env_spec.agents_per_env if options.central_value else 1,
             normalize_observations=switch_on(options.normalize_observations,
                                              env_spec.action_space))
-    scale = (options.normalize_rewards == "down"
-             or switch_on(options.normalize_rewards, env_spec.action_space)
-             or (options.normalize_rewards == "auto" and lstm_size > 0))
-    return network, discount if scale else None
+    # "auto" is on here: IMPALA resolves its own "auto" before (`IMPALAConfig.resolved`).
+    return network, discount if options.normalize_rewards != "off" else None
 
 
 def reward_min_std(options: ActorCriticOptions) -> float:
