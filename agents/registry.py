@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import gymnasium as gym
+
 import sebulba
 from agents.impala import IMPALA, IMPALAConfig
 from agents.ppo import PPO, PPOConfig
@@ -33,3 +35,46 @@ AGENTS: dict[str, AgentEntry] = {
     "sac": AgentEntry(SACConfig, SAC),
     "spg": AgentEntry(SPGConfig, SPG),
 }
+
+
+# The version of the agents' defaults a checkpoint records ("agent_defaults"; absent: 1).
+# Bumped where a default changes what an older checkpoint's networks do once loaded, so
+# that loading one says so instead of acting otherwise in silence (`changed_since`).
+DEFAULTS_VERSION = 2
+
+
+def _ppo_rewards_were_raw(version: int, agent_name: str, config: Any,
+                          space: gym.Space) -> bool:
+    """Before version 2 PPO's normalize_rewards "auto" left discrete actions' rewards
+    raw (without an LSTM)."""
+    return (version < 2 and agent_name == "ppo" and config.normalize_rewards == "auto"
+            and not isinstance(space, gym.spaces.Box) and not config.use_lstm)
+
+
+def config_as_written(version: int, agent_name: str, config: Any, space: gym.Space) -> Any:
+    """`config` (of agent `agent_name`, saved under agents' defaults `version`) with what
+    its "auto" meant then made explicit where a field can say it: PPO's
+    normalize_rewards "off" for discrete actions before version 2."""
+    if _ppo_rewards_were_raw(version, agent_name, config, space):
+        return dataclasses.replace(config, normalize_rewards="off")
+    return config
+
+
+def changed_since(version: int, agent_name: str, config: Any, space: gym.Space) -> list[str]:
+    """What agent `agent_name` with `config` in `space` does otherwise with networks
+    written under agents' defaults `version`: one sentence each, empty where nothing
+    changed (`config_as_written` first removes what a field can still say)."""
+    from agents.common.distributions import box_units
+
+    changes = []
+    if (version < 2 and agent_name in ("ppo", "impala", "spg")
+            and isinstance(space, gym.spaces.Box) and box_units(space) is not None):
+        changes.append(
+            f"the Gaussian policy works in units of the action space's bounds since version "
+            f"2 ({space}: the same networks act on another scale)")
+    if _ppo_rewards_were_raw(version, agent_name, config, space):
+        changes.append(
+            "PPO's normalize_rewards 'auto' divides rewards for discrete actions too since "
+            "version 2 (its networks keep the return's moments); normalize_rewards='off' "
+            "(--ppo_normalize_rewards=off) is what 'auto' was")
+    return changes

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "curve": binned_curve(episodes, result.env_steps, args.bins),
         # Evaluation during training (loop_config's eval_every_updates), at the env step
         # its networks were published: (env steps, mean return, episodes).
-        "evaluations": [(e.env_steps, round(float(np.mean(e.result.returns)), 2),
+        "evaluations": [(e.env_steps, round(float(np.mean(e.result.returns)) / scale, 2),
                          len(e.result.returns)) for e in result.evaluations],
     }
 
@@ -124,6 +124,8 @@ def plot_title(records: list[dict[str, Any]]) -> str:
     config"), and the runs' mean steps/s."""
     first = records[0]
     changed = ", ".join(f"{k}={v}" for k, v in (first.get("agent_config") or {}).items())
+    if first.get("reward_scale", 1.0) != 1.0:
+        changed = ", ".join(x for x in (changed, f"rewards x{first['reward_scale']:g}") if x)
     speed = sum(r["steps_per_second"] for r in records) / len(records)
     return (f"{first['agent']} on {first['env']}, {changed or 'default config'} "
             f"({speed:,.0f} steps/s)")

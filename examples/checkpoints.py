@@ -10,7 +10,7 @@ import os
 import jax
 
 import sebulba
-from agents.registry import AGENTS
+from agents.registry import AGENTS, DEFAULTS_VERSION, changed_since, config_as_written
 from sebulba.checkpoint import Checkpointer, DamagedCheckpoint
 from sebulba.evaluation import evaluation_vectorization
 
@@ -66,10 +66,19 @@ def _load(checkpointer: Checkpointer, path: str, step: int
         raise ValueError(f"checkpoint {path!r}: {e}") from None
     config = entry.config_class(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in meta["agent_config"].items()})
-    agent = entry.build(
-        sebulba.env_spec(meta["env"], meta["env_kwargs"], vectorization,
-                         agent_ids=meta.get("agent_ids", False),
-                         env_wrappers=meta.get("env_wrappers") or ()), config)
+    spec = sebulba.env_spec(meta["env"], meta["env_kwargs"], vectorization,
+                            agent_ids=meta.get("agent_ids", False),
+                            env_wrappers=meta.get("env_wrappers") or ())
+    version = meta.get("agent_defaults", 1)
+    config = config_as_written(version, meta["agent"], config, spec.action_space)
+    changes = changed_since(version, meta["agent"], config, spec.action_space)
+    if changes:
+        raise ValueError(
+            f"checkpoint {path!r} was written under the agents' defaults of version "
+            f"{version} (this sebulba's: {DEFAULTS_VERSION}), and its networks would act "
+            f"otherwise here: {'; '.join(changes)}; evaluate it with the sebulba that "
+            "wrote it")
+    agent = entry.build(spec, config)
     like = agent.new_networks(jax.random.key(0))
     restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)
     return agent, restored.nets, meta

@@ -36,7 +36,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import sebulba
-from agents.registry import AGENTS
+from agents.registry import AGENTS, DEFAULTS_VERSION, changed_since
 from examples.config_flags import define_config_flags, define_run_flags, run_main
 from sebulba.checkpoint import (
     Checkpointer,
@@ -143,6 +143,7 @@ def build(agent_name: str, agent_config, config: sebulba.Config) -> sebulba.Sebu
 def run_metadata(agent_name: str, agent_config, config: sebulba.Config) -> dict:
     """What a checkpoint records to rebuild (and check) the agent and its env."""
     return {"agent": agent_name, "agent_config": dataclasses.asdict(agent_config),
+            "agent_defaults": DEFAULTS_VERSION,
             "env": config.env, "env_kwargs": dict(config.env_kwargs),
             "env_wrappers": list(config.env_wrappers),
             "vectorization": config.vectorization, "agent_ids": config.agent_ids,
@@ -255,12 +256,13 @@ def no_intact_error(directory: str, damaged: list[int]) -> ValueError:
                       f"{sorted(damaged)} is damaged (see above)")
 
 
-def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict) -> tuple[list[int],
-                                                                              list[int]]:
+def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict,
+                         agent: sebulba.Agent | None = None) -> tuple[list[int], list[int]]:
     """(the steps --resume may continue from, newest first; the damaged steps passed over)
     from the newest checkpoint whose metadata reads on: the first of them is checked
-    against the run (the same agent, env and layout). ValueError if there is no
-    checkpoint, no intact one, or the first is not this run's."""
+    against the run (the same agent, env and layout; with `agent`, the run's, networks
+    that act here as they did: `agents.registry.changed_since`). ValueError if there is
+    no checkpoint, no intact one, or the first is not this run's."""
     steps = sorted(checkpointer.all_steps(), reverse=True)
     if not steps:
         raise no_checkpoint_error(checkpointer.directory)
@@ -272,6 +274,15 @@ def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict) -> tuple[li
             skipped(e)
             damaged.append(step)
             continue
+        version = meta.get("agent_defaults", 1)
+        changes = [] if agent is None else changed_since(
+            version, metadata["agent"], agent.config, agent.env_spec.action_space)
+        if changes:
+            raise ValueError(
+                f"checkpoint {step} in {checkpointer.directory} was written under the "
+                f"agents' defaults of version {version} (this sebulba's: "
+                f"{DEFAULTS_VERSION}), and its networks would act otherwise here: "
+                f"{'; '.join(changes)}")
         if "layout" not in meta and jax.process_index() == 0:
             print(f"checkpoint {step} in {checkpointer.directory} records no run layout (it "
                   "was saved before checkpoints did): its envs_per_group, async_factor, "
@@ -507,7 +518,7 @@ def prepare(agent_config, config: sebulba.Config) -> Launch:
                 check_fresh_start(checkpointer)
             steps, damaged = [], []
             if _RESUME.value or (_RESUME_IF_PRESENT.value and checkpointer.all_steps()):
-                steps, damaged = checkpoint_to_resume(checkpointer, metadata)
+                steps, damaged = checkpoint_to_resume(checkpointer, metadata, loop.agent)
     except ValueError as e:
         if checkpointer is not None:
             with quiet_info():

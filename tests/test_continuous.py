@@ -63,10 +63,22 @@ def test_a_gaussian_policy_starts_spread_over_the_bounds_whatever_their_scale():
         dist = head_for(-bound, bound)
         np.testing.assert_array_equal(dist.mean, unit.mean)
         np.testing.assert_array_equal(dist.log_std, unit.log_std)
+    # Nor without width, or with one float32 cannot hold (a log-std of -inf on the device).
+    for low, high in ((3.0, 3.0), (0.0, 1e-39)):
+        dist = head_for(low, high)
+        np.testing.assert_array_equal(dist.log_std, unit.log_std)
+        assert np.isfinite(dist.log_prob(dist.mode())).all()
     mixed = head_for(np.array([-5.0, -np.inf]), np.array([5.0, np.inf]))
     np.testing.assert_allclose(np.exp(mixed.log_std[:, 0]), 5.0 * np.exp(unit.log_std[:, 0]),
                                rtol=1e-5)
     np.testing.assert_array_equal(mixed.log_std[:, 1], unit.log_std[:, 1])
+    # Entries of a Box of rank 2 keep their own bounds' units, in the actions' order.
+    grid = head_for(np.arange(6.0).reshape(2, 3) - 10.0, np.arange(6.0).reshape(2, 3) + 10.0,
+                    shape=(2, 3))
+    flat = head_for(-10.0, 10.0, shape=(2, 3))
+    np.testing.assert_allclose(grid.mean - flat.mean,
+                               np.broadcast_to(np.arange(6.0).reshape(2, 3), (5, 2, 3)),
+                               atol=1e-5)
 
 
 @pytest.mark.timeout(120)

@@ -43,6 +43,7 @@ def test_rewards_scaled_are_recorded_in_the_envs_own_units(capsys, no_leftovers)
     # CartPole pays 1 a step, 1000 here: divided back, a return is an episode's length.
     returns = [r for _, r in run["curve"] if r is not None] + [run["last_10pct_return"]]
     assert returns and all(8 <= r <= 500 for r in returns), returns
+    assert curves.plot_title([run]).startswith("spg on CartPole-v1, rewards x1000 (")
 
 
 @pytest.mark.parametrize("value", ["0", "inf", "nan"])

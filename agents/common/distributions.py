@@ -200,11 +200,14 @@ clip_returning.defvjp(_clip_returning_fwd, _clip_returning_bwd)
 def box_units(space: gym.spaces.Box) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """(middle, half width) of each entry of a Box's bounds, flattened, or None where
     every entry's are -1 and 1 (nothing to scale). An entry with an infinite bound, or one
-    of 1e30 or more (float32's max stands for none in some envs), or no width keeps the
-    env's units: middle 0, half width 1."""
+    of 1e30 or more (float32's max stands for none in some envs), or no width (or one too
+    small for float32) keeps the env's units: middle 0, half width 1."""
     low = np.asarray(space.low, np.float64).reshape(-1)
     high = np.asarray(space.high, np.float64).reshape(-1)
-    bounded = (np.abs(low) < 1e30) & (np.abs(high) < 1e30) & (high > low)
+    # A half width below float32's least normal number would be flushed to 0 on the
+    # device (a log-std of -inf): such an entry keeps the env's units too.
+    bounded = ((np.abs(low) < 1e30) & (np.abs(high) < 1e30)
+               & ((high - low) / 2 >= np.finfo(np.float32).tiny))
     low, high = np.where(bounded, low, -1.0), np.where(bounded, high, 1.0)
     middle, half = (low + high) / 2, (high - low) / 2
     if np.all(middle == 0.0) and np.all(half == 1.0):

@@ -1,0 +1,85 @@
+"""Checkpoints written under older agent defaults (`agents.registry.DEFAULTS_VERSION`):
+one whose networks would act otherwise here is refused, naming what changed, never
+loaded in silence; one that a setting still describes loads with that setting."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from examples.checkpoints import load_policy
+from tests.test_launcher import SMALL, run
+
+PPO_SMALL = [*SMALL, "--ppo_hidden_sizes=16", "--total_env_steps=1000"]
+
+
+def as_written_before_version_2(logdir: str, **agent_config) -> None:
+    """Rewrites the newest checkpoint's metadata as a sebulba before DEFAULTS_VERSION 2
+    wrote it: no "agent_defaults" entry, the agent config's fields as given."""
+    checkpoints = os.path.join(logdir, "checkpoints")
+    step = max(int(d) for d in os.listdir(checkpoints) if d.isdigit())
+    path = os.path.join(checkpoints, str(step), "meta", "metadata")
+    with open(path) as f:
+        meta = json.load(f)
+    assert meta.pop("agent_defaults") == 2
+    meta["agent_config"].update(agent_config)
+    with open(path, "w") as f:
+        json.dump(meta, f)
+
+
+@pytest.fixture(scope="module")
+def raw_rewards_run(tmp_path_factory) -> str:
+    """A PPO run on CartPole with raw rewards: what "auto" meant before version 2."""
+    logdir = str(tmp_path_factory.mktemp("defaults") / "run")
+    result = run("examples.train", f"--logdir={logdir}", "--ppo_normalize_rewards=off",
+                 *PPO_SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    as_written_before_version_2(logdir, normalize_rewards="auto")
+    return logdir
+
+
+@pytest.mark.timeout(120)
+def test_an_older_discrete_ppo_checkpoint_is_evaluated_as_it_was_written(raw_rewards_run):
+    agent, nets, meta = load_policy(raw_rewards_run)
+    assert meta["agent_config"]["normalize_rewards"] == "auto"
+    assert agent.config.normalize_rewards == "off" and agent.return_discount is None
+
+
+@pytest.mark.timeout(200)
+def test_resuming_it_asks_for_the_setting_that_says_what_auto_was(raw_rewards_run, tmp_path):
+    logdir = str(tmp_path / "run")
+    shutil.copytree(raw_rewards_run, logdir)
+    result = run("examples.train", f"--logdir={logdir}", "--resume", *PPO_SMALL)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert ("was written under the agents' defaults of version 1 (this sebulba's: 2), and "
+            "its networks would act otherwise here: PPO's normalize_rewards 'auto' divides "
+            "rewards for discrete actions too since version 2") in result.stderr
+    assert "(--ppo_normalize_rewards=off) is what 'auto' was" in result.stderr
+    result = run("examples.train", f"--logdir={logdir}", "--resume",
+                 "--ppo_normalize_rewards=off", *PPO_SMALL[:-1], "--total_env_steps=2000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("env,refused", [("Pendulum-v1", True),  # torques in [-2, 2]
+                                         ("MountainCarContinuous-v0", False)])  # [-1, 1]
+def test_an_older_gaussian_policy_is_refused_where_its_bounds_change_its_scale(
+        env, refused, tmp_path):
+    logdir = str(tmp_path / "run")
+    result = run("examples.train", f"--logdir={logdir}", f"--env={env}", *PPO_SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    as_written_before_version_2(logdir)
+    if not refused:
+        agent, _, _ = load_policy(logdir)
+        assert agent.config.normalize_rewards == "auto"  # Box actions: on before as now
+        return
+    with pytest.raises(ValueError, match=r"was written under the agents' defaults of version "
+                                         r"1 .* the Gaussian policy works in units of the "
+                                         r"action space's bounds since version 2 \(Box\(-2\.0, "
+                                         r"2\.0, \(1,\), float32\): .*evaluate it with the "
+                                         r"sebulba that wrote it"):
+        load_policy(logdir)
