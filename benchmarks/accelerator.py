@@ -300,20 +300,13 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     buffers = [new_buffer(leaves, s, env_step) for s in step_states]
     env_step_on_device = jax.device_put(env_step, device)
 
-    def call(i: int, env_step=env_step) -> float:
+    def call(i: int, env_step=env_step, kept: list | None = None) -> float:
+        """One call; with `kept` (each group's frames on the device), on newest frames."""
         g = i % num_groups
+        kept = kept or [None] * num_groups
         t0 = time.perf_counter()
-        output, step_states[g], _ = acting.act_all(leaves, step_states[g], None, env_step)
-        if copies_early:
-            start_host_copies(output.action)
-        fetch_polling(output.action, DEFAULT_ACTION_POLL_S)
-        return time.perf_counter() - t0
-
-    def call_newest(i: int) -> float:
-        g = i % num_groups
-        t0 = time.perf_counter()
-        output, step_states[g], frames[g] = acting.act_all(leaves, step_states[g], frames[g],
-                                                           newest)
+        output, step_states[g], kept[g] = acting.act_all(leaves, step_states[g], kept[g],
+                                                         env_step)
         if copies_early:
             start_host_copies(output.action)
         fetch_polling(output.action, DEFAULT_ACTION_POLL_S)
@@ -347,7 +340,7 @@ def _acting_round_trips(agent, nets, num_envs: int, num_groups: int, seconds: fl
     _, resident = timed(lambda i: call(i, env_step_on_device), seconds / 4)
     newest_us = None
     if frame_stack is not None:
-        _, newest_times = timed(call_newest, seconds / 2)
+        _, newest_times = timed(lambda i: call(i, newest, frames), seconds / 2)
         newest_us = round(float(np.median(newest_times)) * 1e6, 1)
     us = times * 1e6
     return {"envs": num_envs, "calls": len(times), "first_call_s": round(compile_s, 2),

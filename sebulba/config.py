@@ -77,8 +77,8 @@ class Config:
         newest frame to the inference device, which restacks it (a quarter of the
         observations' copy for 4 frames; the trajectory holds the env's stacks, and a row
         of each cycle is checked against the rule). None: on accelerators, off on the
-        CPU, where the copy costs nearly nothing; True with a source that declares no
-        stack is an error.
+        CPU, where the copy is a memcpy small next to the CNN's call; True with a source
+        that declares no stack is an error.
       check_env_output: check what the envs return where it enters the framework: a step
         or reset of the wrong form (the old gym API's four values), a reward or flag that
         is not a number or bool (None), an observation of the wrong shape, and NaN or
