@@ -78,3 +78,11 @@ def changed_since(version: int, agent_name: str, config: Any, space: gym.Space) 
             "version 2 (its networks keep the return's moments); normalize_rewards='off' "
             "(--ppo_normalize_rewards=off) is what 'auto' was")
     return changes
+
+
+def defaults_message(checkpoint: str, version: int, changes: list[str]) -> str:
+    """Why `checkpoint`, written under agents' defaults `version`, is refused: `changes`
+    (`changed_since`'s) said once for every place that loads one."""
+    return (f"{checkpoint} was written under the agents' defaults of version {version} "
+            f"(this sebulba's: {DEFAULTS_VERSION}), and its networks would act otherwise "
+            f"here: {'; '.join(changes)}")

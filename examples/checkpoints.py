@@ -10,7 +10,7 @@ import os
 import jax
 
 import sebulba
-from agents.registry import AGENTS, DEFAULTS_VERSION, changed_since, config_as_written
+from agents.registry import AGENTS, changed_since, config_as_written, defaults_message
 from sebulba.checkpoint import Checkpointer, DamagedCheckpoint
 from sebulba.evaluation import evaluation_vectorization
 
@@ -73,11 +73,8 @@ def _load(checkpointer: Checkpointer, path: str, step: int
     config = config_as_written(version, meta["agent"], config, spec.action_space)
     changes = changed_since(version, meta["agent"], config, spec.action_space)
     if changes:
-        raise ValueError(
-            f"checkpoint {path!r} was written under the agents' defaults of version "
-            f"{version} (this sebulba's: {DEFAULTS_VERSION}), and its networks would act "
-            f"otherwise here: {'; '.join(changes)}; evaluate it with the sebulba that "
-            "wrote it")
+        raise ValueError(defaults_message(f"checkpoint {path!r}", version, changes)
+                         + "; evaluate it with the sebulba that wrote it")
     agent = entry.build(spec, config)
     like = agent.new_networks(jax.random.key(0))
     restored = checkpointer.restore(nets=like, opt=None, metadata=meta, step=step)

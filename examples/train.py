@@ -36,7 +36,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import sebulba
-from agents.registry import AGENTS, DEFAULTS_VERSION, changed_since
+from agents.registry import AGENTS, DEFAULTS_VERSION, changed_since, defaults_message
 from examples.config_flags import define_config_flags, define_run_flags, run_main
 from sebulba.checkpoint import (
     Checkpointer,
@@ -278,11 +278,8 @@ def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict,
         changes = [] if agent is None else changed_since(
             version, metadata["agent"], agent.config, agent.env_spec.action_space)
         if changes:
-            raise ValueError(
-                f"checkpoint {step} in {checkpointer.directory} was written under the "
-                f"agents' defaults of version {version} (this sebulba's: "
-                f"{DEFAULTS_VERSION}), and its networks would act otherwise here: "
-                f"{'; '.join(changes)}")
+            raise ValueError(defaults_message(
+                f"checkpoint {step} in {checkpointer.directory}", version, changes))
         if "layout" not in meta and jax.process_index() == 0:
             print(f"checkpoint {step} in {checkpointer.directory} records no run layout (it "
                   "was saved before checkpoints did): its envs_per_group, async_factor, "
