@@ -413,11 +413,8 @@ class R2D2(sebulba.Agent):
         one env (several cycles of one group in one update) are applied in row order:
         pass r handles each env's r-th row, so it sees what the env's previous row left.
         """
-        # Entry 0 of a trajectory is the previous one's last step: counted there. A reset
-        # step's reward (0) follows no action and is not counted.
-        new = jax.tree.map(lambda x: x[:, 1:], trajectory.env_steps)
-        experience = experience._replace(reward_moments=normalization.merged(
-            experience.reward_moments, new.reward, 2, valid=~new.first))
+        experience = experience._replace(reward_moments=normalization.received_rewards_merged(
+            experience.reward_moments, trajectory))
         index = initial_step_state.env_index % experience.envs_per_process  # [B]
         e, rows = experience.envs_per_group, experience.envs_per_shard
         slot = (index // e) * rows + (index % e) % rows  # [B]
@@ -557,9 +554,7 @@ class R2D2(sebulba.Agent):
         the running root mean square of the rewards received (1 before any)."""
         if not self.config.normalize_rewards:
             return jnp.ones((), jnp.float32)
-        m = experience.reward_moments
-        rms = jnp.sqrt(m["var"] + jnp.square(m["mean"]))
-        return 1.0 / jnp.maximum(rms, 1e-8)
+        return normalization.inverse_rms(experience.reward_moments)
 
     def ready_to_learn(self, experience: R2D2Experience) -> jax.Array:
         """Learning starts once the replay holds `min_replay_size` sequences."""

@@ -40,7 +40,7 @@ AGENTS: dict[str, AgentEntry] = {
 # The version of the agents' defaults a checkpoint records ("agent_defaults"; absent: 1).
 # Bumped where a default changes what an older checkpoint's networks do once loaded, so
 # that loading one says so instead of acting otherwise in silence (`changed_since`).
-DEFAULTS_VERSION = 2
+DEFAULTS_VERSION = 3
 
 
 def _ppo_rewards_were_raw(version: int, agent_name: str, config: Any,
@@ -80,9 +80,28 @@ def changed_since(version: int, agent_name: str, config: Any, space: gym.Space) 
     return changes
 
 
-def defaults_message(checkpoint: str, version: int, changes: list[str]) -> str:
+def unresumable_since(version: int, agent_name: str, config: Any,
+                      has_experience: bool) -> list[str]:
+    """Why a run of agent `agent_name` with `config` would not continue the learning of a
+    checkpoint written under agents' defaults `version` (holding its experience or not)
+    as it was learning, where its networks still act as they did: one sentence each."""
+    if version >= 3 or agent_name != "sac":
+        return []
+    if has_experience:
+        return ["SAC's experience holds the running moments of the rewards since version 3 "
+                "(normalize_rewards), which this checkpoint's replay lacks: start a new run "
+                "(its networks still evaluate as they did)"]
+    if config.normalize_rewards:
+        return ["SAC's critics learn rewards divided by their running RMS since version 3 "
+                "(normalize_rewards), and this checkpoint's learnt them raw: "
+                "--sac_normalize_rewards=false continues as it learnt"]
+    return []
+
+
+def defaults_message(checkpoint: str, version: int, changes: list[str],
+                     consequence: str = "its networks would act otherwise here") -> str:
     """Why `checkpoint`, written under agents' defaults `version`, is refused: `changes`
-    (`changed_since`'s) said once for every place that loads one."""
+    (`changed_since`'s, or with another `consequence` `unresumable_since`'s) said once for
+    every place that loads one."""
     return (f"{checkpoint} was written under the agents' defaults of version {version} "
-            f"(this sebulba's: {DEFAULTS_VERSION}), and its networks would act otherwise "
-            f"here: {'; '.join(changes)}")
+            f"(this sebulba's: {DEFAULTS_VERSION}), and {consequence}: {'; '.join(changes)}")

@@ -20,6 +20,11 @@ How it fits the Sebulba loop:
   n-step ones): the action an env ignored on an episode's last observation (NEXT_STEP
   autoreset) is left out, a terminated episode bootstraps 0, a truncated one from its
   final observation.
+- Reward scale: with `normalize_rewards` the experience keeps the running moments of
+  the rewards received (`agents.common.normalization`, over every learner device) and
+  the critics learn from rewards divided by their RMS: Q stays near the scale Adam's
+  steps and the entropy bonus are sized for, whatever the task pays. The replay keeps
+  the rewards as received; acting never sees the scale.
 - Warm-up: the experience counts the run's env steps (every env, every learner device:
   `sebulba.experience.warmup`); `ready_to_learn` is False until `learning_starts` of
   them, and the learner skips the gradient steps until then. The networks count the
@@ -62,7 +67,7 @@ import numpy as np
 import optax
 
 import sebulba
-from agents.common import checks
+from agents.common import checks, normalization
 from agents.common.distributions import GaussianHead, TanhGaussian
 from agents.common.networks import MLP
 from sebulba import target_network
@@ -107,6 +112,11 @@ class SACConfig:
         Published SAC takes 1 (one gradient step per env step); 0.5 halves the learner's
         work, and on Hopper-v5 it ended the training episodes' last 10% of 1M env steps
         at 2,744 over three seeds against 2,421 at 0.25 (benchmarks/RESULTS.md).
+      normalize_rewards: the critics learn from rewards divided by the running root mean
+        square of the rewards received (kept in the experience; 1 before any), so that
+        a task paying 1e3 a step is learnt like one paying 1 (raw, the critics' Q must
+        grow by Adam steps of about the learning rate to ~1e5). The policy is
+        unaffected: its loss is Q's, up to the scale the temperature adapts to.
     """
 
     hidden_sizes: Sequence[int] = (256, 256)
@@ -121,6 +131,7 @@ class SACConfig:
     replay_capacity: int = 1_000_000
     learning_starts: int = 5_000
     replay_ratio: float = 0.5
+    normalize_rewards: bool = True
 
     def __post_init__(self):
         checks.sizes(self, "hidden_sizes")
@@ -200,6 +211,7 @@ class SACExperience(NamedTuple):  # one per learner device
     received: warmup.EnvStepCount  # env steps of the whole run received so far
     replay_ratio: jax.Array  # float32 scalar, gradient steps per env step of the run
     key: jax.Array  # typed PRNG key for sampling
+    reward_moments: dict  # running moments of the rewards received (normalization)
 
 
 def env_steps_per_update(layout: sebulba.Layout) -> int:
@@ -310,6 +322,7 @@ class SAC(sebulba.Agent):
                 self.optimizer_steps_per_update(layout) / env_steps_per_update(layout),
                 jnp.float32),
             key=key,
+            reward_moments=normalization.new_moments(()),
         )
 
     # Acting.
@@ -346,8 +359,18 @@ class SAC(sebulba.Agent):
                           final_step_state: SACStepState, trajectory: Trajectory,
                           nets: Nets) -> SACExperience:
         items, valid = self.transitions(trajectory)
-        return experience._replace(replay=rp.insert(experience.replay, items, valid),
-                                   received=warmup.add(experience.received, trajectory))
+        return experience._replace(
+            replay=rp.insert(experience.replay, items, valid),
+            received=warmup.add(experience.received, trajectory),
+            reward_moments=normalization.received_rewards_merged(experience.reward_moments,
+                                                                trajectory))
+
+    def reward_scale(self, experience: SACExperience) -> jax.Array:
+        """What the critics' rewards are multiplied by: one over the running RMS of the
+        rewards received with `normalize_rewards`, 1 without."""
+        if not self.config.normalize_rewards:
+            return jnp.ones((), jnp.float32)
+        return normalization.inverse_rms(experience.reward_moments)
 
     def ready_to_learn(self, experience: SACExperience) -> jax.Array:
         """After `learning_starts` env steps of the run (and at least one transition)."""
@@ -380,6 +403,7 @@ class SAC(sebulba.Agent):
         key, step_key = jax.random.split(experience.key)
         sample_key, critic_key, actor_key = jax.random.split(own_key(step_key), 3)
         batch = rp.sample_uniform(experience.replay, sample_key, cfg.batch_size).items
+        reward_scale = self.reward_scale(experience)
         actor, critic = self.actor.apply, self.critic.apply
 
         def critic_loss(n: SACNets):
@@ -387,7 +411,7 @@ class SAC(sebulba.Agent):
                 critic_key)
             next_q = jnp.min(critic(n.critic.target, batch.next_obs, next_action), axis=0)
             soft_value = next_q - jnp.exp(n.log_alpha) * next_log_prob
-            target = batch.reward + batch.discount * soft_value
+            target = batch.reward * reward_scale + batch.discount * soft_value
             q = critic(n.critic.online, batch.obs, batch.action)  # [2, B]
             loss = jnp.sum(jnp.mean(jnp.square(q - target), axis=1))
             return loss, {"q": jnp.mean(q)}
@@ -407,7 +431,8 @@ class SAC(sebulba.Agent):
                                                "log_alpha": temperature_loss})
         metrics = {**metrics,
                    "replay_size": experience.replay.size.astype(jnp.float32),
-                   "replay_ratio": experience.replay_ratio}
+                   "replay_ratio": experience.replay_ratio,
+                   "reward_scale": reward_scale}
         return loss, (experience._replace(key=key), metrics)
 
     def partition_for_grad(self, nets: SACNets) -> tuple[SACNets, SACNets]:

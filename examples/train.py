@@ -36,7 +36,13 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import sebulba
-from agents.registry import AGENTS, DEFAULTS_VERSION, changed_since, defaults_message
+from agents.registry import (
+    AGENTS,
+    DEFAULTS_VERSION,
+    changed_since,
+    defaults_message,
+    unresumable_since,
+)
 from examples.config_flags import define_config_flags, define_run_flags, run_main
 from sebulba.checkpoint import (
     Checkpointer,
@@ -261,8 +267,9 @@ def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict,
     """(the steps --resume may continue from, newest first; the damaged steps passed over)
     from the newest checkpoint whose metadata reads on: the first of them is checked
     against the run (the same agent, env and layout; with `agent`, the run's, networks
-    that act here as they did: `agents.registry.changed_since`). ValueError if there is
-    no checkpoint, no intact one, or the first is not this run's."""
+    that act here as they did and learn on as they learnt: `agents.registry.changed_since`,
+    `unresumable_since`). ValueError if there is no checkpoint, no intact one, or the
+    first is not this run's."""
     steps = sorted(checkpointer.all_steps(), reverse=True)
     if not steps:
         raise no_checkpoint_error(checkpointer.directory)
@@ -277,9 +284,14 @@ def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict,
         version = meta.get("agent_defaults", 1)
         changes = [] if agent is None else changed_since(
             version, metadata["agent"], agent.config, agent.env_spec.action_space)
+        where = f"checkpoint {step} in {checkpointer.directory}"
+        if changes:
+            raise ValueError(defaults_message(where, version, changes))
+        changes = [] if agent is None else unresumable_since(
+            version, metadata["agent"], agent.config, bool(meta.get("has_experience")))
         if changes:
             raise ValueError(defaults_message(
-                f"checkpoint {step} in {checkpointer.directory}", version, changes))
+                where, version, changes, "a run would not continue it as it learnt"))
         if "layout" not in meta and jax.process_index() == 0:
             print(f"checkpoint {step} in {checkpointer.directory} records no run layout (it "
                   "was saved before checkpoints did): its envs_per_group, async_factor, "

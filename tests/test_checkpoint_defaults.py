@@ -10,21 +10,28 @@ import shutil
 
 import pytest
 
+from agents.registry import DEFAULTS_VERSION
 from examples.checkpoints import load_policy
 from tests.test_launcher import SMALL, run
 
 PPO_SMALL = [*SMALL, "--ppo_hidden_sizes=16", "--total_env_steps=1000"]
 
 
-def as_written_before_version_2(logdir: str, **agent_config) -> None:
-    """Rewrites the newest checkpoint's metadata as a sebulba before DEFAULTS_VERSION 2
-    wrote it: no "agent_defaults" entry, the agent config's fields as given."""
+def as_written_under(logdir: str, version: int, *, dropped: tuple[str, ...] = (),
+                     **agent_config) -> None:
+    """Rewrites the newest checkpoint's metadata as a sebulba of agents' defaults
+    `version` wrote it (1: no "agent_defaults" entry), without the agent config's fields
+    `dropped` (then unknown) and with its fields as given."""
     checkpoints = os.path.join(logdir, "checkpoints")
     step = max(int(d) for d in os.listdir(checkpoints) if d.isdigit())
     path = os.path.join(checkpoints, str(step), "meta", "metadata")
     with open(path) as f:
         meta = json.load(f)
-    assert meta.pop("agent_defaults") == 2
+    assert meta.pop("agent_defaults") == DEFAULTS_VERSION
+    if version > 1:
+        meta["agent_defaults"] = version
+    for field in dropped:
+        del meta["agent_config"][field]
     meta["agent_config"].update(agent_config)
     with open(path, "w") as f:
         json.dump(meta, f)
@@ -37,7 +44,7 @@ def raw_rewards_run(tmp_path_factory) -> str:
     result = run("examples.train", f"--logdir={logdir}", "--ppo_normalize_rewards=off",
                  *PPO_SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
-    as_written_before_version_2(logdir, normalize_rewards="auto")
+    as_written_under(logdir, 1, normalize_rewards="auto")
     return logdir
 
 
@@ -54,8 +61,9 @@ def test_resuming_it_asks_for_the_setting_that_says_what_auto_was(raw_rewards_ru
     shutil.copytree(raw_rewards_run, logdir)
     result = run("examples.train", f"--logdir={logdir}", "--resume", *PPO_SMALL)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert ("was written under the agents' defaults of version 1 (this sebulba's: 2), and "
-            "its networks would act otherwise here: PPO's normalize_rewards 'auto' divides "
+    assert ("was written under the agents' defaults of version 1 (this sebulba's: "
+            f"{DEFAULTS_VERSION}), and its networks would act otherwise here: PPO's "
+            "normalize_rewards 'auto' divides "
             "rewards for discrete actions too since version 2") in result.stderr
     assert "(--ppo_normalize_rewards=off) is what 'auto' was" in result.stderr
     result = run("examples.train", f"--logdir={logdir}", "--resume",
@@ -72,7 +80,7 @@ def test_an_older_gaussian_policy_is_refused_where_its_bounds_change_its_scale(
     logdir = str(tmp_path / "run")
     result = run("examples.train", f"--logdir={logdir}", f"--env={env}", *PPO_SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
-    as_written_before_version_2(logdir)
+    as_written_under(logdir, 1)
     if not refused:
         agent, _, _ = load_policy(logdir)
         assert agent.config.normalize_rewards == "auto"  # Box actions: on before as now
@@ -83,3 +91,41 @@ def test_an_older_gaussian_policy_is_refused_where_its_bounds_change_its_scale(
                                          r"2\.0, \(1,\), float32\): .*evaluate it with the "
                                          r"sebulba that wrote it"):
         load_policy(logdir)
+
+
+SAC_SMALL = [*SMALL, "--env=Pendulum-v1", "--agent=sac", "--sac_hidden_sizes=16",
+             "--sac_learning_starts=256", "--sac_batch_size=32",
+             "--sac_replay_capacity=4096"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("experience", ["on", "off"])
+def test_an_older_sac_checkpoint_evaluates_and_resumes_only_as_it_learnt(experience,
+                                                                         tmp_path):
+    """Before version 3 SAC learnt raw rewards and its experience held no reward moments:
+    its networks still evaluate; a resume that would continue otherwise is refused,
+    naming what to do."""
+    logdir = str(tmp_path / "run")
+    written = [*SAC_SMALL, f"--checkpoint_experience={experience}"]
+    result = run("examples.train", f"--logdir={logdir}", *written,
+                 "--total_env_steps=1024")
+    assert result.returncode == 0, result.stderr[-3000:]
+    as_written_under(logdir, 2, dropped=("normalize_rewards",))
+    agent, _, meta = load_policy(logdir)
+    assert meta["agent_defaults"] == 2 and agent.config.normalize_rewards
+
+    result = run("examples.train", f"--logdir={logdir}", "--resume", *written,
+                 "--total_env_steps=2048")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert ("was written under the agents' defaults of version 2 (this sebulba's: "
+            f"{DEFAULTS_VERSION}), and a run would not continue it as it learnt: SAC's"
+            ) in result.stderr
+    raw = "--sac_normalize_rewards=false"
+    if experience == "on":
+        assert "which this checkpoint's replay lacks: start a new run" in result.stderr
+        return
+    assert f"learnt them raw: {raw} continues as it learnt" in result.stderr
+    result = run("examples.train", f"--logdir={logdir}", "--resume", raw, *written,
+                 "--total_env_steps=2048")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout

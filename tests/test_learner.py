@@ -142,6 +142,32 @@ def test_updates_are_skipped_until_the_agent_is_ready(no_leftovers):
     assert int(result.state.experience.size) == 10  # the trajectories still arrived
 
 
+class ReportsAConstant(CountingAgent):
+    """Learns from its third update on; one metric is a constant, the same on every
+    learner device, beside the loss's per-device values."""
+
+    def ready_to_learn(self, experience):
+        return experience.size >= 3
+
+    def loss(self, nets, opt, experience):
+        loss, (experience, metrics) = super().loss(nets, opt, experience)
+        return loss, (experience, {**metrics, "constant": jnp.float32(2.0)})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("learner_devices", [[0], [0, 1]])
+def test_a_metric_that_is_a_constant_is_reported_where_learning_waits(
+        learner_devices, no_leftovers):
+    # The skipped updates' zeros and the learning updates' metrics are one type per
+    # device mesh (R2D2 with normalize_rewards=False reports a reward scale of 1.0).
+    result = counting_loop(ReportsAConstant, learner_devices=learner_devices,
+                           envs_per_group=4 * len(learner_devices)).run(
+        6 * 4 * len(learner_devices) * 3)
+    assert result.learner_updates == 6 and result.optimizer_steps == 6
+    assert result.metrics["learning"] == 1.0 and result.metrics["constant"] == 2.0
+    assert float(result.state.nets["w"]) < 1.0  # four optimizer steps ran
+
+
 @pytest.mark.timeout(120)
 def test_a_set_stop_event_ends_the_run_after_the_update_under_way(no_leftovers):
     stop = threading.Event()

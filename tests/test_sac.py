@@ -4,6 +4,8 @@ trajectories into transitions; then SAC in the real Sebulba loop."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 from typing import NamedTuple
@@ -19,6 +21,7 @@ import sebulba
 from agents.common.distributions import DiagGaussian, TanhGaussian
 from agents.registry import AGENTS
 from agents.sac import SAC, SACConfig
+from benchmarks.curves import reward_scaled_env
 from sebulba import target_network
 from sebulba.agent import combine_partitions
 from sebulba.experience import replay as rp
@@ -435,6 +438,42 @@ def test_each_learner_device_draws_its_own_policy_noise():
     assert np.array_equal(carried[0], carried[1])
 
 
+def test_critics_learn_rewards_in_units_of_their_running_rms():
+    """With `normalize_rewards` the reward scale is one over the RMS of the rewards
+    received (entry 0, the previous trajectory's, and reset steps not counted), and the
+    same experience with rewards 1,000 times larger gives the same losses; raw, not."""
+    E, T = 4, 6
+    layout = sebulba.Layout(envs_per_group=E, num_groups=1, steps_per_cycle=T,
+                            num_learner_devices=1)
+    reward = jax.random.uniform(jax.random.key(3), (E, T + 1), minval=-2.0, maxval=1.0)
+    first = jnp.zeros((E, T + 1), bool).at[1, 3].set(True)
+    obs = jax.random.normal(jax.random.key(4), (E, T + 1, 3))
+
+    def learnt(config: SACConfig, scale: float):
+        agent = SAC(sebulba.env_spec("Pendulum-v1"), config)
+        nets = agent.new_networks(jax.random.key(0))
+        experience = agent.new_experience_state(nets, jax.random.key(1), layout)
+        traj = sebulba.zeros_trajectory(agent, nets, E, T)
+        traj = traj._replace(env_steps=traj.env_steps._replace(
+            obs=obs, reward=jnp.where(first, 0.0, scale * reward), first=first))
+        experience = jax.jit(agent.update_experience)(experience, None, None, traj, nets)
+        loss, (_, metrics) = jax.jit(agent.loss)(nets, None, experience)
+        return float(loss), metrics
+
+    config = SACConfig(hidden_sizes=(16,), batch_size=8)
+    counted = np.asarray(reward)[:, 1:][~np.asarray(first)[:, 1:]]
+    rms = np.sqrt(np.mean(counted**2))
+    unit_loss, unit = learnt(config, 1.0)
+    big_loss, big = learnt(config, 1e3)
+    np.testing.assert_allclose(unit["reward_scale"], 1 / rms, rtol=1e-5)
+    np.testing.assert_allclose(big["reward_scale"], 1e-3 / rms, rtol=1e-5)
+    np.testing.assert_allclose(big_loss, unit_loss, rtol=1e-4)
+    raw = dataclasses.replace(config, normalize_rewards=False)
+    raw_loss, raw_metrics = learnt(raw, 1e3)
+    assert raw_metrics["reward_scale"] == 1.0
+    assert raw_loss > 100 * unit_loss, (raw_loss, unit_loss)
+
+
 def test_replay_too_small_for_one_update_is_refused():
     agent = SAC(sebulba.env_spec("Pendulum-v1"), SACConfig(replay_capacity=100))
     layout = sebulba.Layout(envs_per_group=16, num_groups=2, steps_per_cycle=32,
@@ -447,8 +486,8 @@ def test_replay_too_small_for_one_update_is_refused():
 @pytest.mark.timeout(300)
 def test_sac_solves_pendulum_within_40k_env_steps(no_leftovers):
     """Random Pendulum scores about -1,200; solved is above -200. With 64-unit layers
-    (for speed) and a replay ratio of 0.25 the last 10% ends at -113, -113 and -128 for
-    seeds 0, 1, 2 (30-40 s each on 2 cores)."""
+    (for speed) and a replay ratio of 0.25 the last 10% ends at -112, -113 and -128 for
+    seeds 0, 1, 2 (30-40 s each on 2 cores; -113, -113, -128 with raw rewards)."""
     cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000, replay_ratio=0.25)
     agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
     config = _pendulum(envs_per_group=8, steps_per_cycle=8, async_factor=1, seed=0)
@@ -458,6 +497,23 @@ def test_sac_solves_pendulum_within_40k_env_steps(no_leftovers):
     assert last >= -200, report
     assert last >= first + 500, report
     assert result.metrics["replay_ratio"] == pytest.approx(0.25)  # 16 steps per 64 env steps
+
+
+@pytest.mark.timeout(300)
+def test_sac_solves_pendulum_paying_1000_times_its_rewards(no_leftovers):
+    """The same run as above with every reward x1,000 ends as the unit one does (-112,
+    -113, -127 in the env's units for seeds 0, 1, 2); with raw rewards its critics are
+    still far from Q's scale after 40k env steps (seed 0: -1,023)."""
+    cfg = SACConfig(hidden_sizes=(64, 64), learning_starts=1_000, replay_ratio=0.25)
+    agent = SAC(sebulba.env_spec("Pendulum-v1"), cfg)
+    config = sebulba.Config(env=functools.partial(reward_scaled_env, "Pendulum-v1", 1e3),
+                            vectorization="sync", envs_per_group=8, steps_per_cycle=8,
+                            async_factor=1, seed=0)
+    result = sebulba.Sebulba(agent, config).run(40_000)
+    last = result.mean_return(0.9, 1.0) / 1e3
+    assert last >= -200, f"last 10%: {last:.1f} (env units)\n{result.summary()}"
+    # One over the rewards' RMS: 0.236 to 0.241 over those seeds, in the env's units.
+    np.testing.assert_allclose(result.metrics["reward_scale"] * 1e3, 0.24, rtol=0.2)
 
 
 @pytest.mark.slow

@@ -132,6 +132,22 @@ def scale_rewards(nets: Any, reward: jax.Array, min_std: float = 0.0) -> jax.Arr
     return reward / jnp.maximum(jnp.sqrt(var + EPSILON), min_std)
 
 
+def received_rewards_merged(moments: dict[str, jax.Array], trajectory: Any
+                            ) -> dict[str, jax.Array]:
+    """`moments` with the rewards of `trajectory` (env steps [B, T+1]) added: entry 0 is
+    the previous trajectory's last step (counted there), and a reset step's reward (0)
+    follows no action (not counted)."""
+    new = jax.tree.map(lambda x: x[:, 1:], trajectory.env_steps)
+    return merged(moments, new.reward.astype(jnp.float32), 2, valid=~new.first)
+
+
+def inverse_rms(moments: dict[str, jax.Array]) -> jax.Array:
+    """One over the root mean square of the rewards `moments` hold (1 before any): what
+    rewards are multiplied by to learn them at a unit scale, whatever the task pays."""
+    rms = jnp.sqrt(moments["var"] + jnp.square(moments["mean"]))
+    return 1.0 / jnp.maximum(rms, EPSILON)
+
+
 def discounted_return(accumulated: jax.Array, reward: jax.Array, first: jax.Array,
                       discount: float) -> jax.Array:
     """Each env's discounted return so far [E]: restarts at an episode's first step."""

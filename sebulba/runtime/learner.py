@@ -112,25 +112,23 @@ def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experien
         (loss, (experience, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(diff)
         grads = jax.lax.pmean(grads, LEARNER_AXIS)
         nets, opt = agent.optimize_from_grads(nets, opt, grads)
-        return nets, opt, experience, {**metrics, "loss": loss}
+        # Averaged here, in the branch: the same on every device, as the skip's zeros are
+        # (shard_map types must match, and a metric may be per-device or a constant).
+        return nets, opt, experience, jax.lax.pmean({**metrics, "loss": loss}, LEARNER_AXIS)
 
     ready = agent.ready_to_learn(experience)
     if ready is True:  # the default: no conditional in the compiled step
-        nets, opt, experience, metrics = learn(nets, opt, experience)
-        return nets, opt, experience, jax.lax.pmean(metrics, LEARNER_AXIS)
+        return learn(nets, opt, experience)
     ready = jnp.asarray(ready, bool)
     # One verdict for all devices: a collective inside only some devices' branch would hang.
     ready = jax.lax.pmin(ready.astype(jnp.int32), LEARNER_AXIS) > 0
     out_shapes = jax.eval_shape(learn, nets, opt, experience)
 
     def skip(nets, opt, experience):
-        # Per-device values, as the metrics of `learn` are (shard_map types must match).
-        zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype),
-                                                     LEARNER_AXIS, to="varying"), out_shapes[3])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[3])
         return nets, opt, experience, zeros
 
     nets, opt, experience, metrics = jax.lax.cond(ready, learn, skip, nets, opt, experience)
-    metrics = jax.lax.pmean(metrics, LEARNER_AXIS)
     return nets, opt, experience, {**metrics, "learning": ready.astype(jnp.float32)}
 
 
