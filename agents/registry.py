@@ -51,11 +51,19 @@ def _ppo_rewards_were_raw(version: int, agent_name: str, config: Any,
             and not isinstance(space, gym.spaces.Box) and not config.use_lstm)
 
 
+def _spg_rewards_were_raw(version: int, agent_name: str, config: Any) -> bool:
+    """Before version 3 SPG learnt raw rewards (it had no normalize_rewards)."""
+    return version < 3 and agent_name == "spg" and config.normalize_rewards != "off"
+
+
 def config_as_written(version: int, agent_name: str, config: Any, space: gym.Space) -> Any:
     """`config` (of agent `agent_name`, saved under agents' defaults `version`) with what
     its "auto" meant then made explicit where a field can say it: PPO's
-    normalize_rewards "off" for discrete actions before version 2."""
+    normalize_rewards "off" for discrete actions before version 2, SPG's before version
+    3."""
     if _ppo_rewards_were_raw(version, agent_name, config, space):
+        return dataclasses.replace(config, normalize_rewards="off")
+    if _spg_rewards_were_raw(version, agent_name, config):
         return dataclasses.replace(config, normalize_rewards="off")
     return config
 
@@ -77,6 +85,10 @@ def changed_since(version: int, agent_name: str, config: Any, space: gym.Space) 
             "PPO's normalize_rewards 'auto' divides rewards for discrete actions too since "
             "version 2 (its networks keep the return's moments); normalize_rewards='off' "
             "(--ppo_normalize_rewards=off) is what 'auto' was")
+    if _spg_rewards_were_raw(version, agent_name, config):
+        changes.append(
+            "SPG divides large rewards by the return's std since version 3 (its networks "
+            "keep the return's moments); --spg_normalize_rewards=off is what it learnt with")
     return changes
 
 

@@ -17,7 +17,7 @@ import jax
 import optax
 
 import sebulba
-from agents.common import checks, networks, policy
+from agents.common import checks, networks, normalization, policy
 from agents.common.returns import action_mask, bootstrapped_returns
 from sebulba.types import Metrics, Nets, OptState, PyTree, Trajectory
 
@@ -41,6 +41,14 @@ class SPGConfig:
       max_grad_norm: gradients are clipped to this global norm before Adam.
       lstm_size: units of an LSTM core after a tanh torso of `hidden_sizes`; 0: none
         (feed-forward, separate policy and baseline MLPs).
+      normalize_rewards: "down" | "on" | "off": divide rewards, for learning only, by
+        the running std of the discounted return (the actors accumulate it, the
+        networks keep its moments: `agents.common.normalization`); "down" (IMPALA's
+        feed-forward choice too): only where that std exceeds 1. Scaled down, large
+        returns no longer swamp the baseline's fit and the gradient clip (CartPole x1e6,
+        Acrobot); scaled up, small ones weigh the fixed entropy bonus less, and a
+        shared policy on RoleCall locked pairs onto wrong answers (benchmarks/RESULTS.md,
+        "Reward scales").
     """
 
     hidden_sizes: Sequence[int] = (64, 64)
@@ -51,6 +59,7 @@ class SPGConfig:
     gaussian_entropy_cost: float = 0.0
     max_grad_norm: float = 0.5
     lstm_size: int = 0
+    normalize_rewards: str = "down"
 
     def __post_init__(self):
         checks.sizes(self, "hidden_sizes")
@@ -60,6 +69,7 @@ class SPGConfig:
         checks.reals(self, "discount", low=0.0, high=1.0)
         checks.reals(self, "value_cost", "entropy_cost", "gaussian_entropy_cost", low=0.0,
                      high=sys.float_info.max, expected="a finite number >= 0")
+        checks.one_of(self, "normalize_rewards", ("on", "down", "off"))
 
 
 class SPG(policy.ActorCriticActing, sebulba.Agent):
@@ -76,6 +86,7 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
         self.network = networks.actor_critic(
             env_spec.action_space, env_spec.observation_space, config.hidden_sizes,
             config.lstm_size)
+        self.return_discount = config.discount if config.normalize_rewards != "off" else None
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
         )
@@ -106,8 +117,10 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
         actions = experience.trajectory.actor_outputs.action
         _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
         values = out.value  # [E, T+1]
+        reward = normalization.scale_rewards(  # identity unless scaling
+            nets, steps.reward, 1.0 if cfg.normalize_rewards == "down" else 0.0)
         returns = jax.vmap(bootstrapped_returns, in_axes=(0, 0, 0, 0, None))(
-            steps.reward, values, steps.terminated, steps.truncated, cfg.discount
+            reward, values, steps.terminated, steps.truncated, cfg.discount
         )  # [E, T], constants
         mask = jax.vmap(action_mask)(steps.terminated, steps.truncated)  # [E, T]
         dist = jax.tree.map(lambda x: x[:, :-1], out.policy)  # batch [E, T]

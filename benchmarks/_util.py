@@ -19,6 +19,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
+def acting_agent(env_spec, hidden_sizes: Sequence[int]):
+    """The acting benchmarks' agent: SPG whose acting call outputs the action alone, the
+    workload their figures have been measured on since the first (without reward
+    normalization, whose discounted return would be one more output to record)."""
+    from agents.spg import SPG, SPGConfig
+
+    return SPG(env_spec, SPGConfig(hidden_sizes=tuple(hidden_sizes), normalize_rewards="off"))
+
+
 def load() -> list[float]:
     """The 1, 5 and 15 minute load averages: other processes skew the figures."""
     return [round(x, 2) for x in os.getloadavg()]

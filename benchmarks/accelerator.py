@@ -69,6 +69,7 @@ from typing import Any
 
 from benchmarks import acting_spg
 from benchmarks._util import (
+    acting_agent,
     bare_loop,
     env_only,
     envs_alone,
@@ -393,15 +394,13 @@ def acting_latency(args: argparse.Namespace) -> dict[str, Any]:
 def acting_only(args: argparse.Namespace) -> dict[str, Any]:
     """acting_spg's sync configuration beside its bounds, once per async factor."""
     import sebulba
-    from agents.spg import SPG, SPGConfig
     from sebulba.envs.gymnasium_source import make_vector_env
 
     spg = acting_spg.parse_args([])  # the benchmark's own sizes
     envs = args.acting_envs or spg.envs_per_group[0]
     steps = args.acting_steps_per_cycle or spg.steps_per_cycle
     cycles = args.acting_cycles or spg.cycles
-    agent = SPG(sebulba.env_spec(acting_spg.ENV_ID),
-                SPGConfig(hidden_sizes=tuple(spg.hidden_sizes)))
+    agent = acting_agent(sebulba.env_spec(acting_spg.ENV_ID), spg.hidden_sizes)
     def make_vec():
         return make_vector_env(acting_spg.ENV_ID, envs, "sync")
 

@@ -189,9 +189,9 @@ def loop_trace(trace_dir: str, seed: int) -> dict[str, Any]:
     """A trace of an acting-only loop run: SPG's 5x200 MLP on CartPole-v1, sync envs, one
     group of LOOP_ENVS, after a run that compiles."""
     import sebulba
-    from agents.spg import SPG, SPGConfig
+    from benchmarks._util import acting_agent
 
-    agent = SPG(sebulba.env_spec(MLP_ENV_ID), SPGConfig(hidden_sizes=(200,) * 5))
+    agent = acting_agent(sebulba.env_spec(MLP_ENV_ID), (200,) * 5)
     loop = sebulba.Sebulba(agent, sebulba.Config(
         env=MLP_ENV_ID, envs_per_group=LOOP_ENVS, async_factor=1,
         steps_per_cycle=LOOP_STEPS_PER_CYCLE, seed=seed))

@@ -25,7 +25,7 @@ import functools
 import time
 from typing import Any
 
-from benchmarks._util import int_list, measure, meta, records_to
+from benchmarks._util import acting_agent, int_list, measure, meta, records_to
 
 ENV_ID = "CartPole-v1"
 
@@ -175,12 +175,11 @@ def bare_parts(agent, num_envs: int, vector_steps: int, seed: int) -> dict[str, 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import sebulba
-    from agents.spg import SPG, SPGConfig
 
     started = time.perf_counter()
     with records_to(args.out) as record:
         record(meta("acting_profile", vars(args)))
-        agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
+        agent = acting_agent(sebulba.env_spec(ENV_ID), args.hidden_sizes)
         if args.vectorization == "sync":
             parts = bare_parts(agent, args.envs_per_group, args.cycles * 100, args.seed)
             record({"record": "bare", "us_per_vector_step": parts,

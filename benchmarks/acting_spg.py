@@ -1,6 +1,7 @@
 """The 5x200 SPG acting benchmark on CartPole: the simple policy gradient agent with five
 hidden layers of 200 acting (no learning) on CartPole-v1, 16 envs per env group, 20
-inference cycles of 100 steps per group.
+inference cycles of 100 steps per group. Its acting call outputs the action alone
+(`_util.acting_agent`: no reward normalization), the workload of every figure so far.
 
 Steps/second of the Sebulba loop for each async_factor and vectorization, next to its
 bound: the slower of env-only throughput (the bare vector env stepping random actions)
@@ -49,6 +50,7 @@ import time
 from typing import Any
 
 from benchmarks._util import (
+    acting_agent,
     bare_loop,
     bare_pool_loop,
     emit,
@@ -92,12 +94,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import sebulba
-    from agents.spg import SPG, SPGConfig
     from sebulba.envs.gymnasium_source import make_vector_env
 
     started = time.perf_counter()
     emit(meta("acting_spg", vars(args)))
-    agent = SPG(sebulba.env_spec(ENV_ID), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
+    agent = acting_agent(sebulba.env_spec(ENV_ID), args.hidden_sizes)
     vector_steps = args.cycles * args.steps_per_cycle
     checks = list(dict.fromkeys(args.check_env_output))  # "on", "off" or both, once each
     loops = {

@@ -27,7 +27,16 @@ import time
 import gymnasium as gym
 import numpy as np
 
-from benchmarks._util import emit, env_only, int_list, measure, median, meta, ratio
+from benchmarks._util import (
+    acting_agent,
+    emit,
+    env_only,
+    int_list,
+    measure,
+    median,
+    meta,
+    ratio,
+)
 
 TARGET_RATIO = 1.9  # async_factor 2's steps/second over async_factor 1's
 
@@ -77,13 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import sebulba
-    from agents.spg import SPG, SPGConfig
     from sebulba.envs.gymnasium_source import make_vector_env
 
     started = time.perf_counter()
     emit(meta("overlap", vars(args)))
     env = functools.partial(SleepEnv, step_seconds=args.step_ms / 1000)
-    agent = SPG(sebulba.env_spec(env), SPGConfig(hidden_sizes=tuple(args.hidden_sizes)))
+    agent = acting_agent(sebulba.env_spec(env), args.hidden_sizes)
     for e in args.envs_per_group:
         def make_vec(e=e):
             return make_vector_env(env, e, "async")

@@ -93,6 +93,30 @@ def test_an_older_gaussian_policy_is_refused_where_its_bounds_change_its_scale(
         load_policy(logdir)
 
 
+@pytest.mark.timeout(300)
+def test_an_older_spg_checkpoint_is_evaluated_and_resumed_with_raw_rewards(tmp_path):
+    """Before version 3 SPG learnt raw rewards (no normalize_rewards field, no reward
+    moments in its networks)."""
+    logdir = str(tmp_path / "run")
+    spg = [*SMALL, "--agent=spg", "--spg_hidden_sizes=16", "--total_env_steps=1000"]
+    result = run("examples.train", f"--logdir={logdir}", "--spg_normalize_rewards=off",
+                 *spg)
+    assert result.returncode == 0, result.stderr[-3000:]
+    as_written_under(logdir, 2, dropped=("normalize_rewards",))
+    agent, _, _ = load_policy(logdir)
+    assert agent.config.normalize_rewards == "off" and agent.return_discount is None
+
+    result = run("examples.train", f"--logdir={logdir}", "--resume", *spg)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert ("SPG divides large rewards by the return's std since version 3 (its networks "
+            "keep the return's moments); --spg_normalize_rewards=off is what it learnt with"
+            ) in result.stderr
+    result = run("examples.train", f"--logdir={logdir}", "--resume",
+                 "--spg_normalize_rewards=off", *spg[:-1], "--total_env_steps=2000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+
+
 SAC_SMALL = [*SMALL, "--env=Pendulum-v1", "--agent=sac", "--sac_hidden_sizes=16",
              "--sac_learning_starts=256", "--sac_batch_size=32",
              "--sac_replay_capacity=4096"]
