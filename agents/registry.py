@@ -38,8 +38,9 @@ AGENTS: dict[str, AgentEntry] = {
 
 
 # The version of the agents' defaults a checkpoint records ("agent_defaults"; absent: 1).
-# Bumped where a default changes what an older checkpoint's networks do once loaded, so
-# that loading one says so instead of acting otherwise in silence (`changed_since`).
+# Bumped where a default changes what an older checkpoint's networks do once loaded, or
+# how a resumed run learns on, so that loading one says so instead of acting or learning
+# otherwise in silence (`changed_since`, `unresumable_since`).
 DEFAULTS_VERSION = 3
 
 

@@ -116,7 +116,10 @@ class SACConfig:
         square of the rewards received (kept in the experience; 1 before any), so that
         a task paying 1e3 a step is learnt like one paying 1 (raw, the critics' Q must
         grow by Adam steps of about the learning rate to ~1e5). The policy is
-        unaffected: its loss is Q's, up to the scale the temperature adapts to.
+        unaffected: its loss is Q's, up to the scale the temperature adapts to. Rewards
+        that are mostly 0 are scaled up as their RMS is small (a first reward of 1 after
+        N zeros is learnt as about sqrt(N)); a resume that does not restore the
+        experience starts the moments anew with the replay.
     """
 
     hidden_sizes: Sequence[int] = (256, 256)

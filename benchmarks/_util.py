@@ -20,9 +20,10 @@ from typing import Any
 
 
 def acting_agent(env_spec, hidden_sizes: Sequence[int]):
-    """The acting benchmarks' agent: SPG whose acting call outputs the action alone, the
-    workload their figures have been measured on since the first (without reward
-    normalization, whose discounted return would be one more output to record)."""
+    """The acting benchmarks' agent: SPG without reward normalization, whose acting call
+    outputs the action and its log-probability, the workload their figures have been
+    measured on since the first (normalization adds the discounted return, one more
+    output to record)."""
     from agents.spg import SPG, SPGConfig
 
     return SPG(env_spec, SPGConfig(hidden_sizes=tuple(hidden_sizes), normalize_rewards="off"))

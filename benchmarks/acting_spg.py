@@ -1,7 +1,8 @@
 """The 5x200 SPG acting benchmark on CartPole: the simple policy gradient agent with five
 hidden layers of 200 acting (no learning) on CartPole-v1, 16 envs per env group, 20
-inference cycles of 100 steps per group. Its acting call outputs the action alone
-(`_util.acting_agent`: no reward normalization), the workload of every figure so far.
+inference cycles of 100 steps per group. Its acting call outputs the action and its
+log-probability (`_util.acting_agent`: without reward normalization, whose discounted
+return would be one more output), the workload of every figure so far.
 
 Steps/second of the Sebulba loop for each async_factor and vectorization, next to its
 bound: the slower of env-only throughput (the bare vector env stepping random actions)

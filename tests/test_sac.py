@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 import sebulba
+from agents.common import normalization
 from agents.common.distributions import DiagGaussian, TanhGaussian
 from agents.registry import AGENTS
 from agents.sac import SAC, SACConfig
@@ -472,6 +473,16 @@ def test_critics_learn_rewards_in_units_of_their_running_rms():
     raw_loss, raw_metrics = learnt(raw, 1e3)
     assert raw_metrics["reward_scale"] == 1.0
     assert raw_loss > 100 * unit_loss, (raw_loss, unit_loss)
+
+
+def test_the_scale_is_one_while_every_reward_has_been_zero():
+    """Not 1 / epsilon: nothing to scale yet, and the metric stays readable. A first
+    reward after N zeros is then learnt as about sqrt(N) times itself."""
+    moments = normalization.merged(normalization.new_moments(()), jnp.zeros((4, 5)), 2)
+    assert float(normalization.inverse_rms(moments)) == 1.0
+    moments = normalization.merged(moments, jnp.full((1, 1), 0.5), 2)
+    np.testing.assert_allclose(normalization.inverse_rms(moments), np.sqrt(21) / 0.5,
+                               rtol=1e-5)
 
 
 def test_replay_too_small_for_one_update_is_refused():

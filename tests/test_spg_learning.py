@@ -16,8 +16,8 @@ TOTAL_ENV_STEPS = 400_000
 def test_spg_learns_cartpole():
     # 64-step cycles of 16 envs: 1024 env steps per update. With 32-step cycles the
     # policy can collapse to a single action (returns ~9) after reaching 500. With these
-    # settings the last 10% ends at 488-500 over seeds 0-3 (rewards divided by the
-    # return's std; raw, 310-487 over twelve seeds), from ~32.
+    # settings the last 10% ends at 483-499 over seeds 0-3 (large returns divided by
+    # their std; raw, 310-487 over twelve seeds), from ~32.
     config = sebulba.Config(
         env="CartPole-v1",
         envs_per_group=16,

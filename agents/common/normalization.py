@@ -142,10 +142,11 @@ def received_rewards_merged(moments: dict[str, jax.Array], trajectory: Any
 
 
 def inverse_rms(moments: dict[str, jax.Array]) -> jax.Array:
-    """One over the root mean square of the rewards `moments` hold (1 before any): what
-    rewards are multiplied by to learn them at a unit scale, whatever the task pays."""
+    """One over the root mean square of the rewards `moments` hold (1 before any, and
+    while every reward has been 0): what rewards are multiplied by to learn them at a
+    unit scale, whatever the task pays."""
     rms = jnp.sqrt(moments["var"] + jnp.square(moments["mean"]))
-    return 1.0 / jnp.maximum(rms, EPSILON)
+    return jnp.where(rms > 0, 1.0 / jnp.maximum(rms, EPSILON), 1.0)
 
 
 def discounted_return(accumulated: jax.Array, reward: jax.Array, first: jax.Array,
