@@ -283,7 +283,7 @@ class IMPALA(policy.ActorCriticActing, sebulba.Agent):
         log_rho = jax.lax.stop_gradient(dist.log_prob(outputs.action)) \
             - outputs.extras["log_prob"]
         reward = normalization.scale_rewards(  # identity unless scaling
-            nets, steps.reward, policy.reward_min_std(cfg))
+            nets, steps.reward, policy.reward_min_std(cfg.normalize_rewards))
         if cfg.reward_clip > 0.0:
             reward = jnp.clip(reward, -cfg.reward_clip, cfg.reward_clip)
         return jax.vmap(vtrace, in_axes=(0, 0, 0, 0, 0, None, None, None, None, None))(

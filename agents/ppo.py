@@ -240,7 +240,7 @@ class PPO(policy.ActorCriticActing, sebulba.Agent):
         _, out = self.network.apply(nets, start, steps.obs, steps.first)
         values = out.value  # [E, T+1]
         reward = normalization.scale_rewards(  # identity unless scaling
-            nets, steps.reward, policy.reward_min_std(cfg))
+            nets, steps.reward, policy.reward_min_std(cfg.normalize_rewards))
         advantages = jax.vmap(gae_advantages, in_axes=(0, 0, 0, 0, None, None))(
             reward, values, steps.terminated, steps.truncated, cfg.discount, cfg.gae_lambda
         )  # [E, T]

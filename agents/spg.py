@@ -118,7 +118,7 @@ class SPG(policy.ActorCriticActing, sebulba.Agent):
         _, out = self.network.apply(nets, experience.core, steps.obs, steps.first)
         values = out.value  # [E, T+1]
         reward = normalization.scale_rewards(  # identity unless scaling
-            nets, steps.reward, 1.0 if cfg.normalize_rewards == "down" else 0.0)
+            nets, steps.reward, policy.reward_min_std(cfg.normalize_rewards))
         returns = jax.vmap(bootstrapped_returns, in_axes=(0, 0, 0, 0, None))(
             reward, values, steps.terminated, steps.truncated, cfg.discount
         )  # [E, T], constants

@@ -52,3 +52,42 @@ def test_a_gaussian_policy_gets_its_own_entropy_cost_zero_by_default():
     assert SPG(sebulba.env_spec("Pendulum-v1"),
                SPGConfig(gaussian_entropy_cost=0.003)).entropy_cost == 0.003
     assert SPG(sebulba.env_spec("CartPole-v1")).entropy_cost == 0.01
+
+
+@pytest.mark.timeout(60)
+def test_down_divides_rewards_only_by_a_return_std_above_one():
+    """With normalize_rewards "down" the loss learns rewards over the return's std where
+    it exceeds 1 (rewards x10 under a std of 10 give the unit loss) and raw under it
+    (a std of 0.5 scales nothing up); "off" holds no moments at all."""
+    import jax
+    import jax.numpy as jnp
+
+    import sebulba
+    from agents.common.normalization import COLLECTION
+    from agents.spg import SPG
+
+    spec = sebulba.env_spec("CartPole-v1")
+    E, T = 3, 5
+    layout = sebulba.Layout(envs_per_group=E, num_groups=1, steps_per_cycle=T,
+                            num_learner_devices=1)
+    off = SPG(spec, SPGConfig(normalize_rewards="off"))
+    assert COLLECTION not in off.new_networks(jax.random.key(0))
+    agent = SPG(spec)
+    nets = agent.new_networks(jax.random.key(0))
+    experience = agent.new_experience_state(nets, jax.random.key(1), layout)
+    steps = experience.trajectory.env_steps
+    steps = steps._replace(
+        obs=jax.random.normal(jax.random.key(2), steps.obs.shape),
+        reward=jax.random.uniform(jax.random.key(3), steps.reward.shape))
+
+    def loss(reward_factor: float, std: float) -> float:
+        stats = {**nets[COLLECTION], "reward": {**nets[COLLECTION]["reward"],
+                                                "var": jnp.float32(std**2)}}
+        exp = experience._replace(trajectory=experience.trajectory._replace(
+            env_steps=steps._replace(reward=steps.reward * reward_factor)))
+        return float(agent.loss({**nets, COLLECTION: stats}, None, exp)[0])
+
+    unit = loss(1.0, 0.5)
+    assert loss(10.0, 10.0) == pytest.approx(unit, rel=1e-5)
+    assert loss(1.0, 0.01) == pytest.approx(unit, rel=1e-6)  # never scaled up
+    assert loss(10.0, 1.0) != pytest.approx(unit, rel=1e-2)

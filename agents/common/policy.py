@@ -108,10 +108,10 @@ def actor_critic_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
     return network, discount if options.normalize_rewards != "off" else None
 
 
-def reward_min_std(options: ActorCriticOptions) -> float:
-    """The least std `normalization.scale_rewards` divides rewards by: 1 for "down" (it
-    never makes them larger), 0 otherwise."""
-    return 1.0 if options.normalize_rewards == "down" else 0.0
+def reward_min_std(normalize_rewards: str) -> float:
+    """The least std `normalization.scale_rewards` divides rewards by under a
+    `normalize_rewards` setting: 1 for "down" (it never makes them larger), 0 otherwise."""
+    return 1.0 if normalize_rewards == "down" else 0.0
 
 
 def twin_lstm_network(env_spec: sebulba.EnvSpec, options: ActorCriticOptions,
