@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -20,6 +21,7 @@ from sebulba.evaluation import evaluate
 from sebulba.metrics import JsonLinesWriter, MultiWriter, Reporter, TensorBoardWriter
 from sebulba.runtime.evaluator import Evaluation
 from tests.conftest import sebulba_threads
+from tests.envs import CountingEnv
 
 ROLE_CALL = "sebulba.envs.suite.role_call"
 
@@ -79,19 +81,24 @@ def test_evaluations_are_complete_episodes_of_published_networks_at_their_update
 
 @pytest.mark.timeout(120)
 def test_evaluation_costs_at_most_its_share_of_the_env_steps(no_leftovers):
-    result = run_with_evaluation(20_000, eval_every_updates=1, eval_episodes=4,
-                                 eval_max_share=0.05)
-    # The first is always taken (though the run may end, and stop it, before it ends).
+    # Episodes of 100 steps whatever the policy learns (on CartPole a policy that learns
+    # fast makes the first evaluation's estimate, 4 x its longest episode, outgrow the
+    # share): the share alone decides which evaluations are taken.
+    result = run_with_evaluation(40_000, env=functools.partial(CountingEnv, 100),
+                                 eval_every_updates=1, eval_episodes=4, eval_max_share=0.05)
+    # The first is taken once the share covers its estimate, 4 x 100 steps, at about
+    # 8,000 env steps (though the run may end, and stop it, before it ends).
     assert result.evaluator_env_steps > 0
-    # An evaluation steps its 4 envs (one episode each) until the longest episode ends,
-    # at most CartPole's 500 steps.
-    largest = 4 * (500 + 2)
-    # every evaluation after the first is taken only within the share (the next one
-    # estimated as the last one's, which it may outgrow): the share holds up to about
-    # one evaluation's steps more. Without it: one each update, about 150 here.
-    assert result.evaluator_env_steps <= 0.05 * result.consumed + 2 * largest, (
+    # An evaluation steps its 4 envs (one episode each) until the longest episode ends.
+    one = 4 * (100 + 2)
+    # every evaluation is taken only within the share (estimated as the last one's):
+    # the share holds up to one evaluation's steps more (the last, which the run's end
+    # may stop). Without the share: 4,000 to 4,500 here (10 or 11 evaluations, as many
+    # as the run's 3 s leave time for), against 1,600 with it.
+    assert result.evaluator_env_steps <= 0.05 * result.consumed + one, (
         result.evaluator_env_steps, result.consumed,
         [e.result.lengths for e in result.evaluations])
+    assert result.evaluations_passed_over > 0
 
 
 @pytest.mark.timeout(60)
