@@ -229,8 +229,8 @@ class SAC(sebulba.Agent):
         space = env_spec.action_space
         if not isinstance(space, gym.spaces.Box):
             raise ValueError(f"SAC needs a Box action space (continuous actions), got "
-                             f"{space!r}; use PPO or IMPALA for discrete actions (R2D2 too for "
-                             "a Discrete space)")
+                             f"{space!r}; use PPO, IMPALA or SPG for discrete actions (R2D2 too "
+                             "for a Discrete space)")
         if len(space.shape) != 1:
             raise ValueError(f"SAC needs a 1-D Box action space, got shape {space.shape}")
         # Actions are float32: bounds beyond its range would make them inf or NaN at the

@@ -46,6 +46,7 @@ from agents.registry import (
 from examples.config_flags import define_config_flags, define_run_flags, run_main
 from sebulba.checkpoint import (
     Checkpointer,
+    CheckpointMismatch,
     CheckpointSaveError,
     DamagedCheckpoint,
     ProcessCheckpointer,
@@ -142,7 +143,14 @@ _AGENT_FLAGS = {
 
 
 def build(agent_name: str, agent_config, config: sebulba.Config) -> sebulba.Sebulba:
-    agent = AGENTS[agent_name].build(config.env_spec(), agent_config)
+    spec = config.env_spec()
+    try:
+        agent = AGENTS[agent_name].build(spec, agent_config)
+    except ValueError as e:
+        if flag_message(str(e), agent_name) != str(e):
+            raise  # it names a setting of the agent: `flag_message` gives its flag
+        # The agent refused the env (its spaces): say which pair of flags did not fit.
+        raise ValueError(f"--agent={agent_name} on --env={config.env}: {e}") from None
     return sebulba.Sebulba(agent, config)
 
 
@@ -556,7 +564,12 @@ def restore(launch: Launch) -> None:
     try:
         restored, mine = restore_agreed(launch, state)
     except ValueError as e:
-        raise app.UsageError(flag_message(str(e), _AGENT.value)) from None
+        message = flag_message(str(e), _AGENT.value)
+        if isinstance(e, CheckpointMismatch):  # networks of another shape: say which flags
+            changes = settings_changed_since(launch)
+            if changes:
+                message += f" (settings that differ from the checkpoint's: {', '.join(changes)})"
+        raise app.UsageError(message) from None
     if not primary:  # newer parts of its own, stale (process 0 sets its own aside)
         stale = launch.own.discard_after(restored.counters["consumed"])
         if stale:
@@ -576,6 +589,17 @@ def restore(launch: Launch) -> None:
         changes = changed_settings(restored.metadata, launch.metadata)
         if changes:
             print(f"settings that differ from the checkpoint's: {', '.join(changes)}")
+
+
+def settings_changed_since(launch: Launch) -> list[str]:
+    """`changed_settings` against the newest checkpoint to resume, or none where its
+    metadata cannot be read."""
+    try:
+        with quiet_info():
+            saved = launch.checkpointer.metadata(launch.resume_steps[0])
+    except (DamagedCheckpoint, FileNotFoundError):
+        return []
+    return changed_settings(saved, launch.metadata)
 
 
 _FAILED = -1  # what a process whose restore failed contributes (see `restore_agreed`)

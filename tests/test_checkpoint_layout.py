@@ -160,3 +160,15 @@ def test_the_launcher_resumes_an_older_checkpoint_without_a_layout_and_says_so(t
             "checkpoints did): its envs_per_group, async_factor, processes and learner "
             "devices are not checked\n") in result.stderr
     assert f"resumed from {checkpoints} at {step:,} env steps" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_networks_of_another_shape_name_the_flags_that_changed_them(trained):
+    """The parameters' paths and shapes alone leave the user to guess the cause."""
+    result = run("examples.train", f"--logdir={trained}", "--resume",
+                 "--total_env_steps=2000", "--envs_per_group=8", "--async_factor=2",
+                 *SMALL[:-1], "--ppo_hidden_sizes=32")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "holds networks of another shape" in result.stderr
+    assert ("(settings that differ from the checkpoint's: --ppo_hidden_sizes [16] -> [32])"
+            in result.stderr)

@@ -220,6 +220,10 @@ def test_an_experience_of_another_layout_is_refused_before_anything_starts(no_le
     ("no_such_module:Foo-v0", r"env 'no_such_module:Foo-v0': importing 'no_such_module', "
                               r"which the `module:Id` form imports to register 'Foo-v0', "
                               r"failed: No module named 'no_such_module'"),
+    # The suite's ids without the module that registers them: the hint names it.
+    ("sebulba/Nope-v0", r"env 'sebulba/Nope-v0' is not a registered gymnasium id: .* \(the "
+                        r"module that registers the suite's envs comes first: "
+                        r"'sebulba.envs.suite:sebulba/Nope-v0'\)$"),
     ("sebulba.envs.suite:sebulba/Nope-v0", r"env 'sebulba.envs.suite:sebulba/Nope-v0' is not "
                                             r"a registered gymnasium id"),
 ])

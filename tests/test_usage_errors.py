@@ -81,7 +81,9 @@ def assert_usage_error(result: subprocess.CompletedProcess, message: str) -> Non
     (["--agent=r2d2", "--steps_per_cycle=32"],
      "--steps_per_cycle=32 must equal the sequence period"),
     (["--agent=r2d2", "--env=Pendulum-v1", "--steps_per_cycle=40"],
-     "R2D2 acts in Discrete action spaces only"),
+     "--agent=r2d2 on --env=Pendulum-v1: R2D2 acts in Discrete action spaces only"),
+    (["--agent=sac"], "--agent=sac on --env=CartPole-v1: SAC needs a Box action space "
+                      "(continuous actions), got Discrete(2); use PPO, IMPALA or SPG"),
     (["--agent=r2d2", "--r2d2_sequence_overlap=100"],
      "--r2d2_sequence_overlap=100 must be < sequence_length=80"),
     (["--env_wrappers=FrameStack(4)"], "--env_wrappers: 'FrameStack' is not a wrapper in "
@@ -233,6 +235,19 @@ def test_wrappers_need_per_env_vectorization():
                                          "vectorization 'sync' or 'async', got 'envpool'"):
         sebulba.Config(env="CartPole-v1", vectorization="envpool",
                        env_wrappers="FlattenObservation")
+
+
+def test_positional_wrapper_arguments_follow_the_env():
+    """`FrameStackObservation(4)` is `FrameStackObservation(env, 4)`, as in Python."""
+    spec = sebulba.Config(env_wrappers="FrameStackObservation(3),TimeLimit(7)").env_spec()
+    assert spec.observation_space.shape == (3, 4)
+    vec = make_vector_env("CartPole-v1", 1, "sync", env_wrappers="TimeLimit(2)")
+    try:
+        vec.reset(seed=0)
+        vec.step(np.zeros(1, np.int64))
+        assert vec.step(np.zeros(1, np.int64))[3].all()  # truncated after 2 steps
+    finally:
+        vec.close()
 
 
 @pytest.mark.parametrize("vectorization", ["sync", "async"])

@@ -68,7 +68,10 @@ def check_env_id(env: str, vectorization: str = "sync") -> None:
     except gym.error.Error as e:
         reason = str(e).rstrip(".")
         # Where gymnasium names no other id, the env may be one a module registers.
-        if module is None and not isinstance(e, gym.error.DeprecatedEnv) \
+        if module is None and name.startswith("sebulba/"):
+            reason += (f" (the module that registers the suite's envs comes first: "
+                       f"'sebulba.envs.suite:{name}')")
+        elif module is None and not isinstance(e, gym.error.DeprecatedEnv) \
                 and "Did you mean" not in reason:
             reason += " (an id that a module registers takes the form 'module:Id')"
         raise ValueError(f"env {env!r} is not a registered gymnasium id: {reason}") from None

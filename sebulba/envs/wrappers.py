@@ -128,4 +128,10 @@ def wrapper_function(wrapper: EnvWrapper) -> Callable[[gym.Env], gym.Env]:
                   for p in list(signature.parameters.values())[1:]]
         raise ValueError(f"env_wrappers: {wrapper!r} does not fit {name}"
                          f"{signature.replace(parameters=params)}: {e}") from None
-    return functools.partial(cls, *args, **kwargs) if (args or kwargs) else cls
+    return functools.partial(_wrapped, cls, tuple(args), kwargs) if (args or kwargs) else cls
+
+
+def _wrapped(cls: type, args: tuple, kwargs: dict, env: gym.Env) -> gym.Env:
+    """`cls(env, *args, **kwargs)`: the env first, then the entry's own arguments
+    (a partial of `cls` would put positional ones before the env)."""
+    return cls(env, *args, **kwargs)
