@@ -99,6 +99,10 @@ def test_evaluation_costs_at_most_its_share_of_the_env_steps(no_leftovers):
         result.evaluator_env_steps, result.consumed,
         [e.result.lengths for e in result.evaluations])
     assert result.evaluations_passed_over > 0
+    # Episodes of a known length make the estimate exact: an offer over the share is
+    # declined up front, never taken and then abandoned (which would bound the steps
+    # too, with the evaluator's work thrown away).
+    assert result.evaluations_abandoned == 0
 
 
 @pytest.mark.timeout(60)
@@ -250,7 +254,7 @@ class EvaluatorThreadEnv(gym.Env):
 
 
 @pytest.mark.timeout(120)
-def test_a_slow_evaluation_never_holds_up_training_and_is_abandoned_at_the_end(
+def test_a_slow_evaluation_never_holds_up_training_and_is_cut_short_at_the_end(
         no_leftovers):
     # Each evaluation step takes 0.2 s, so an evaluation takes minutes: training must
     # go on through it, and the run must end without waiting for it. (The 30th update
@@ -269,8 +273,12 @@ def test_a_slow_evaluation_never_holds_up_training_and_is_abandoned_at_the_end(
         env=lambda: EvaluatorThreadEnv(sleep_s=0.2, stepped=stepped), eval_every_updates=1,
         eval_max_share=1.0)
     assert result.learner_updates == len(updates_during) >= 40
-    assert result.evaluations == []  # none finished: the first was abandoned
+    assert result.evaluations == []  # none finished: the run's end stopped the first
     assert result.evaluator_env_steps > 0  # but it was under way
+    # and the summary says where it went (not abandoned: it stayed within the share)
+    assert (result.evaluations_cut, result.evaluations_abandoned) == (1, 0)
+    assert "0 evaluations during training" in result.summary()
+    assert "1 more cut short by the run's end" in result.summary()
     # ended promptly: not after the evaluation's minutes (the thread polls the halt)
     assert time.perf_counter() - t0 < 60
     assert "sebulba-evaluator" not in sebulba_threads()

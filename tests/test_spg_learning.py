@@ -42,8 +42,8 @@ def test_spg_learns_cartpole():
 def test_spg_learns_acrobot_a_task_its_defaults_were_not_tuned_on(no_leftovers):
     """Acrobot pays -1 a step for up to 500 steps (random: about -500). Its returns of
     about -100 are divided by their std ("down"): the last 10% ends at -94 to -103 over
-    seeds 0-3; with raw rewards three seeds of four (seed 0 among them) never reach
-    the goal (benchmarks/RESULTS.md, "Reward scales")."""
+    seeds 0-3; with raw rewards no seed of the four reached the goal in the recorded run
+    (three of four in an earlier one; benchmarks/RESULTS.md, "Reward scales")."""
     config = sebulba.Config(env="Acrobot-v1", envs_per_group=16, vectorization="sync",
                             async_factor=2, steps_per_cycle=64, seed=0)
     result = sebulba.Sebulba(SPG(sebulba.env_spec(config.env)), config).run(TOTAL_ENV_STEPS)

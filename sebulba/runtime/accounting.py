@@ -233,6 +233,8 @@ class RunResult:
       evaluations_passed_over: evaluations due (every `Config.eval_every_updates`) and
         not taken, while none was under way: the next one's estimated env steps would
         have passed `Config.eval_max_share`, or no training episode had ended yet.
+      evaluations_cut: evaluations under way when the run ended, stopped with it (their
+        env steps are in `evaluator_env_steps`).
       episodes_total: the run's completed episodes, all counted.
       lag_count, lag_sum, lag_max: trajectories consumed over the whole run, and the sum
         and maximum of their policy lags (`policy_lags` keeps only the most recent).
@@ -269,6 +271,7 @@ class RunResult:
     evaluations_abandoned: int = 0
     evaluation_videos_cut: int = 0
     evaluations_passed_over: int = 0
+    evaluations_cut: int = 0
     timed_env_steps: int | None = None
 
     @property
@@ -344,6 +347,7 @@ class RunResult:
                 "evaluations_abandoned": self.evaluations_abandoned,
                 "evaluation_videos_cut": self.evaluation_videos_cut,
                 "evaluations_passed_over": self.evaluations_passed_over,
+                "evaluations_cut": self.evaluations_cut,
                 "last_evaluation": self.evaluations[-1].scalars() if self.evaluations
                 else None}
                if self.evaluations or self.evaluator_env_steps
@@ -385,6 +389,8 @@ class RunResult:
         if self.evaluations_abandoned:
             line += (f", {self.evaluations_abandoned} more abandoned for running past "
                      "eval_max_share")
+        if self.evaluations_cut:
+            line += f", {self.evaluations_cut} more cut short by the run's end"
         if not self.evaluations and self.evaluations_passed_over:
             line += (f"; {self.evaluations_passed_over} were due and passed over: the next "
                      "one's estimated env steps (eval_episodes envs x the longest training "

@@ -135,6 +135,7 @@ class Evaluator:
         self.abandoned = 0
         self.passed_over = 0
         self.videos_cut = 0  # videos stopped by the share, their evaluations kept
+        self.cut = 0  # evaluations under way when the run ended: their steps counted
         self.writing_video = False  # in `save_video`, which cannot be interrupted
         self.thread = threading.Thread(target=self._main, name="sebulba-evaluator", daemon=True)
 
@@ -230,7 +231,9 @@ class Evaluator:
         result = self.runner.run(nets, cfg.eval_episodes, seed, stop=self._stop,
                                  max_env_steps=sys.maxsize)
         if result is None:
-            if not self._halt.is_set():
+            if self._halt.is_set():
+                self.cut += 1
+            else:
                 self._abandoned(start_steps)
             return None
         seconds = time.perf_counter() - t0

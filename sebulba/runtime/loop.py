@@ -578,6 +578,7 @@ class Sebulba:
             evaluations_abandoned=run.evaluator.abandoned if run.evaluator else 0,
             evaluation_videos_cut=run.evaluator.videos_cut if run.evaluator else 0,
             evaluations_passed_over=run.evaluator.passed_over if run.evaluator else 0,
+            evaluations_cut=run.evaluator.cut if run.evaluator else 0,
         )
 
     def _env_seed(self, group: int, learner_updates: int) -> int:
