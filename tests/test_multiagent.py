@@ -203,6 +203,12 @@ def test_every_agent_step_is_accounted_for_padding_and_team_episodes_reported(no
     lengths = sorted({length for _, _, length in result.episodes})
     assert lengths == [8, 16]
     assert all(length == 16 for _, _, length in result.team_episodes)
+    # Env episodes are stamped with the episodes of the agents that end with them
+    # (counted at the same cycle ends), so a window of the run holds both or neither: an
+    # env episode counted a cycle before its agents' once left the last 10%'s team mean
+    # empty.
+    assert {steps for steps, _, _ in result.team_episodes} <= \
+        {steps for steps, _, _ in result.episodes}
     summary = result.as_dict()
     assert summary["team_steps"] == result.team_steps and summary["padding_steps"] > 0
 

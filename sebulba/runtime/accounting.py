@@ -214,9 +214,10 @@ class RunResult:
         and `team_steps` counts env steps.
       padding_steps: agent steps of agents that had left their env's episode before the
         others (part of `env_steps`; masked out of every loss).
-      team_episodes: (env_steps when it ended, team return: the sum of the env's agents'
-        returns, length in env steps) of the most recent `EPISODE_WINDOW` env episodes
-        (multi-agent only; `team_episodes_total` counts all).
+      team_episodes: (env_steps when it was counted, team return: the sum of the env's
+        agents' returns, length in env steps) of the most recent `EPISODE_WINDOW` env
+        episodes (multi-agent only; `team_episodes_total` counts all), counted with the
+        agents' `episodes`, so that both are stamped alike.
       stopped_early: the run ended on its `stop` event before consuming its steps.
       inferencer_threads: this process's inferencer threads (their stages' seconds are
         summed over them).

@@ -530,7 +530,7 @@ class EnvGroupRunner:
             if not (next(groups[j], False) and next(groups[i], False)):
                 break
             i = j
-        self.accounting.add_episodes(self.source.pop_episodes())  # the last cycles'
+        self._add_episodes()  # the last cycles'
 
     def _group_steps(self, g: int, state: ActorState, clock: StageClock
                      ) -> Iterator[bool]:
@@ -553,15 +553,10 @@ class EnvGroupRunner:
         record: _Cycle | None = None
         unwritten = None  # (cycle, t, action, output) of the last step, not yet recorded
         t = c = 0  # the cursor in cycle c
-        teams = getattr(source, "pop_team_episodes", None)  # a multi-agent source
         while True:
             ids, env_step, new_steps = source.recv()
             self.partial_steps += new_steps
             self.accounting.add_env_steps(new_steps)
-            if teams is not None:
-                padding = source.padding_steps
-                self.accounting.add_team_episodes(padding - self._padded, teams())
-                self._padded = padding
             clock.lap("env_step")
             ending = None  # a cycle that ended at this step, pushed once it is recorded
             if t == steps:  # entry T of cycle c: it ends here, and c + 1 starts from here
@@ -816,7 +811,7 @@ class EnvGroupRunner:
         """Puts group g's recorded cycle on the queue; False if the run stopped first.
         Counts the episodes that ended since the last push, of every group of the source
         (the in-order loop asks for them nowhere else while it runs)."""
-        self.accounting.add_episodes(self.source.pop_episodes())
+        self._add_episodes()
         if self.frame_stack is not None:
             self._check_frames(g, record)
         if record.device_extras and record.device_extras[0]:  # an in-order loop's
@@ -835,6 +830,16 @@ class EnvGroupRunner:
         self.partial_steps -= num_steps
         clock.lap("queue_put")
         return True
+
+    def _add_episodes(self) -> None:
+        """Counts the episodes that ended since the last call, and a multi-agent source's
+        env episodes and padding steps with them, so that both are stamped alike."""
+        self.accounting.add_episodes(self.source.pop_episodes())
+        teams = getattr(self.source, "pop_team_episodes", None)  # a multi-agent source
+        if teams is not None:
+            padding = self.source.padding_steps
+            self.accounting.add_team_episodes(padding - self._padded, teams())
+            self._padded = padding
 
     def _check_frames(self, g: int, record: _Cycle) -> None:
         """BadEnvOutput unless one env's observations in group g's cycle `record` (the
