@@ -340,7 +340,9 @@ class Reporter:
             scalars["episode/team_return"] = float(np.mean([r for _, r, _ in teams]))
             scalars["episode/team_count"] = len(teams)
         if self._bar is not None:
-            postfix = {} if sps is None else {"sps": f"{sps:,.0f}"}
+            # The learner's rate over the last window, not the collection's since the
+            # start (the summary's env steps/s, compiling included): named for what it is.
+            postfix = {} if sps is None else {"consumed/s": f"{sps:,.0f}"}
             if recent:
                 # Significant digits: one decimal is useless for returns in [-1, 1].
                 postfix["return"] = f"{np.mean(recent):.4g}"

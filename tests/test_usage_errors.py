@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -317,6 +318,12 @@ def test_the_progress_bar_shows_returns_in_significant_digits():
         time.sleep(0.01)
         reporter(info)
         assert "return=0.0432," in reporter._bar.postfix, reporter._bar.postfix
+        # From the second update on, the learner's rate over the window, named as such.
+        accounting.consumed = 128
+        time.sleep(0.01)
+        reporter(types.SimpleNamespace(accounting=accounting, metrics={}, version=2,
+                                       evaluations=()))
+        assert re.search(r"consumed/s=[\d,]+", reporter._bar.postfix), reporter._bar.postfix
     finally:
         reporter.close()
 
