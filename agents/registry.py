@@ -1,8 +1,11 @@
-"""Agents by name, for the launcher and evaluation: add an entry to plug a new one in."""
+"""Agents by name, for the launcher and evaluation: add an entry, or `register` one from a
+script of your own, to plug a new one in."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +38,32 @@ AGENTS: dict[str, AgentEntry] = {
     "sac": AgentEntry(SACConfig, SAC),
     "spg": AgentEntry(SPGConfig, SPG),
 }
+
+
+def register(name: str, config_class: type,
+             build: Callable[[sebulba.EnvSpec, Any], sebulba.Agent]) -> None:
+    """Adds agent `name` to `AGENTS`, for a launcher of your own that imports
+    `examples.train` after registering (the launcher defines `--agent`'s values and the
+    `--<name>_<field>` flags when it is imported). `build(env_spec, config)` makes the agent
+    from the run's env spec and an instance of `config_class`, a dataclass whose fields all
+    have defaults (docs/writing-an-agent.md, "A launcher option")."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"an agent's name must be lowercase letters, digits and _ (it "
+                         f"prefixes its flags: --<name>_<field>), got {name!r}")
+    if name in AGENTS and AGENTS[name] != AgentEntry(config_class, build):
+        raise ValueError(f"agent {name!r} is registered already (as "
+                         f"{AGENTS[name].build!r}); choose another name")
+    if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
+        raise TypeError(f"agent {name!r}: config_class must be a dataclass (its fields "
+                        f"become flags), got {config_class!r}")
+    if not callable(build):
+        raise TypeError(f"agent {name!r}: build must be callable as build(env_spec, config), "
+                        f"got {build!r}")
+    if "examples.train" in sys.modules:
+        raise RuntimeError(f"register agent {name!r} before importing examples.train: the "
+                           "launcher defines --agent's values and the agents' flags as it "
+                           "is imported")
+    AGENTS[name] = AgentEntry(config_class, build)
 
 
 # The version of the agents' defaults a checkpoint records ("agent_defaults"; absent: 1).

@@ -290,13 +290,16 @@ def checkpoint_to_resume(checkpointer: Checkpointer, metadata: dict,
             damaged.append(step)
             continue
         version = meta.get("agent_defaults", 1)
-        changes = [] if agent is None else changed_since(
-            version, metadata["agent"], agent.config, agent.env_spec.action_space)
+        # Agents registered from elsewhere need not keep their config: the versions'
+        # changes are the shipped agents'.
+        config = getattr(agent, "config", None)
+        changes = [] if config is None else changed_since(
+            version, metadata["agent"], config, agent.env_spec.action_space)
         where = f"checkpoint {step} in {checkpointer.directory}"
         if changes:
             raise ValueError(defaults_message(where, version, changes))
-        changes = [] if agent is None else unresumable_since(
-            version, metadata["agent"], agent.config, bool(meta.get("has_experience")))
+        changes = [] if config is None else unresumable_since(
+            version, metadata["agent"], config, bool(meta.get("has_experience")))
         if changes:
             raise ValueError(defaults_message(
                 where, version, changes, "a run would not continue it as it learnt"))
@@ -875,5 +878,11 @@ def train_and_report(launch: Launch, preemption: Preemption) -> None:
     report(launch, result, preemption)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Parses the command line and trains, as `python -m examples.train` does; a launcher
+    of your own calls it after `agents.registry.register` adds its agent."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -73,11 +73,58 @@ def shortened(code: str) -> str:
 
 @pytest.mark.timeout(300)
 def test_the_agent_of_writing_an_agent_runs(no_leftovers):
-    (code,) = python_blocks("writing-an-agent.md")
+    code, _ = python_blocks("writing-an-agent.md")
     namespace: dict = {"__name__": "docs_example"}
     exec(compile(shortened(code), "writing-an-agent.md", "exec"), namespace)
     result = namespace["result"]
     assert result.consumed >= 2_000 and result.learner_updates > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_agent_of_writing_an_agent_trains_and_resumes_with_the_launcher(tmp_path):
+    """The page's script registers the page's agent and runs examples.train: flags of its
+    config, a checkpoint, and a resume (which once needed the agent to keep `.config`)."""
+    agent, script = python_blocks("writing-an-agent.md")
+    (tmp_path / "linear.py").write_text(agent[:agent.index("config = sebulba.Config")])
+    (tmp_path / "train_linear.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, str(tmp_path)])
+    logdir = tmp_path / "run"
+
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "train_linear.py", "--agent=linear", f"--logdir={logdir}",
+             "--envs_per_group=8", "--steps_per_cycle=16", "--progress=false",
+             "--log_every_seconds=0", *args],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    first = launch("--linear_learning_rate=0.02", "--total_env_steps=1024")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "--linear_learning_rate" in launch("--helpfull").stdout
+    again = launch("--linear_learning_rate=0.05", "--total_env_steps=2048", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {logdir / 'checkpoints'} at 1,024 env steps" in again.stdout
+    assert ("settings that differ from the checkpoint's: --linear_learning_rate 0.02 -> "
+            "0.05") in again.stdout
+
+
+def test_agents_register_under_a_flag_prefix_before_the_launcher_is_imported():
+    import dataclasses
+
+    from agents.registry import AGENTS, register
+    from agents.spg import SPG, SPGConfig
+
+    with pytest.raises(ValueError, match=r"lowercase letters, digits and _ .* got 'My-Agent'"):
+        register("My-Agent", SPGConfig, SPG)
+    with pytest.raises(ValueError, match="agent 'ppo' is registered already"):
+        register("ppo", SPGConfig, SPG)
+    with pytest.raises(TypeError, match="config_class must be a dataclass"):
+        register("mine", dict, SPG)
+    register("spg", SPGConfig, SPG)  # the same entry again: nothing to do
+    if "examples.train" in sys.modules:
+        with pytest.raises(RuntimeError, match="before importing examples.train"):
+            register("mine", dataclasses.make_dataclass("C", []), SPG)
+        assert "mine" not in AGENTS
 
 
 @pytest.mark.timeout(300)
