@@ -95,9 +95,10 @@ class ChangesItsStepState(SPG):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("change,message", [
-    ("dtype", r"step_state\.key of shape \(6, 2\) and dtype float32; it was given \(6,\), "
-              r"key<fry>"),
-    ("shape", r"step_state\.key of shape \(7,\) and dtype key<fry>; it was given \(6,\)"),
+    ("dtype", r"Agent\.step returned step_state\.key float32\[6, 2\]; it was given "
+              r"key<fry>\[6\] \(a StepState keeps its structure, shapes and dtypes"),
+    ("shape", r"Agent\.step returned step_state\.key key<fry>\[7\]; it was given "
+              r"key<fry>\[6\]"),
 ], ids=["dtype", "shape"])
 def test_a_step_state_that_changes_its_shape_or_dtype_is_refused_naming_the_leaf(
         change, message):
@@ -107,7 +108,7 @@ def test_a_step_state_that_changes_its_shape_or_dtype_is_refused_naming_the_leaf
     state = acting.new_state(step_state, jax.devices()[0])
     with pytest.raises(ValueError, match=message):
         acting.act_all(acting.networks(nets), state.step_state, None, env_step)
-    with pytest.raises(ValueError, match=message.replace("(6", "(3").replace("(7", "(4")):
+    with pytest.raises(ValueError, match=message.replace("[6", "[3").replace("[7", "[4")):
         acting.act(acting.networks(nets), state.step_state, None, np.array([4, 1, 2], np.int32),
                    jax.tree.map(lambda x: x[:3], env_step))
 

@@ -168,6 +168,7 @@ class ActingFunctions:
         rows = jax.tree.map(lambda x: x if _is_shared(x) else x[ids], step_state)
         output, new_rows = self.agent.step(rows, self._nets_def.unflatten(nets), env_step)
         rows = checked_step_state(rows, new_rows)
+        self._check_output(output, env_step)
         self.output_def = jax.tree.structure(output)
         return output, self._raw(jax.tree.map(
             lambda x, r: r if _is_shared(x) else x.at[ids].set(r), step_state, rows)), frames
@@ -180,8 +181,18 @@ class ActingFunctions:
         env_step, frames = _restacked(frames, env_step)
         output, new_state = self.agent.step(step_state, self._nets_def.unflatten(nets),
                                             env_step)
+        self._check_output(output, env_step)
         self.output_def = jax.tree.structure(output)
         return output, self._raw(checked_step_state(step_state, new_state)), frames
+
+    def _check_output(self, output: ActorOutput, env_step: EnvStep) -> None:
+        """At trace time (once per compile): the ActorOutput `Agent.step` returned holds
+        actions the env's action space takes and per-env extras, for the envs of
+        `env_step` (`check_actor_output`; the loop checks it before a run too)."""
+        from sebulba.agent import check_actor_output
+
+        check_actor_output(output, jnp.shape(env_step.reward)[0],
+                           self.agent.env_spec.action_space)
 
     def _snapshot(self, snapshots: StepState, step_state: StepState, ids: jax.Array,
                   slots: jax.Array) -> StepState:

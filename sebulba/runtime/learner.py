@@ -40,7 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sebulba.agent import Agent, Layout, combine_partitions
+from sebulba.agent import (
+    Agent,
+    Layout,
+    check_unchanged,
+    checked_metrics,
+    combine_partitions,
+)
 from sebulba.runtime import sharding, transfers
 from sebulba.runtime.accounting import Accounting
 from sebulba.runtime.channels import QueueItem, Staging
@@ -62,7 +68,7 @@ def per_learner_device(
 
     def on_one_device(*args):
         out = fn(*jax.tree.map(lambda x: x[0], args))
-        return jax.tree.map(lambda x: x[None], out)
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
     mesh = sharding.learner_mesh(tuple(devices))
     spec = P(LEARNER_AXIS)
@@ -107,11 +113,20 @@ def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experien
         diff, fixed = agent.partition_for_grad(nets)
 
         def loss_fn(diff_nets):
-            return agent.loss(combine_partitions(diff_nets, fixed), opt, experience)
+            loss, aux = _checked_loss(
+                agent.loss(combine_partitions(diff_nets, fixed), opt, experience))
+            check_unchanged("loss", "experience", experience, aux[0], _KEEPS)
+            return loss, (aux[0], checked_metrics(aux[1]))
 
         (loss, (experience, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(diff)
         grads = jax.lax.pmean(grads, LEARNER_AXIS)
-        nets, opt = agent.optimize_from_grads(nets, opt, grads)
+        returned = agent.optimize_from_grads(nets, opt, grads)
+        if not isinstance(returned, tuple) or len(returned) != 2:
+            raise ValueError(f"Agent.optimize_from_grads must return (nets, opt); it "
+                             f"returned a {type(returned).__name__}")
+        check_unchanged("optimize_from_grads", "nets", nets, returned[0], _KEEPS)
+        check_unchanged("optimize_from_grads", "opt", opt, returned[1], _KEEPS)
+        nets, opt = returned
         # Averaged here, in the branch: the same on every device, as the skip's zeros are
         # (shard_map types must match, and a metric may be per-device or a constant).
         return nets, opt, experience, jax.lax.pmean({**metrics, "loss": loss}, LEARNER_AXIS)
@@ -132,11 +147,59 @@ def optimizer_step(agent: Agent, nets: Nets, opt: OptState, experience: Experien
     return nets, opt, experience, {**metrics, "learning": ready.astype(jnp.float32)}
 
 
+# Why a learner hook returns what it was given, in shapes and dtypes: its result is the
+# next call's argument (donated), so another would compile the learner's functions again
+# at each call, or fail there far from the hook; and what is published must not change.
+_KEEPS = ("a learner hook returns the structure, shapes and dtypes it was given: its "
+          "result is its next call's argument, compiled for them")
+
+
+def _checked_loss(returned: PyTree) -> tuple[jax.Array, tuple[Experience, Metrics]]:
+    """`Agent.loss`'s result, a ValueError unless it is (scalar loss, (experience,
+    metrics)) (traced: once, where the optimizer step is first traced)."""
+    if (not isinstance(returned, tuple) or len(returned) != 2
+            or not isinstance(returned[1], tuple) or len(returned[1]) != 2):
+        raise ValueError("Agent.loss must return (loss, (experience, metrics)); it returned "
+                         f"{jax.tree.structure(returned)}")
+    loss = returned[0]
+    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ValueError(
+            f"Agent.loss returned a loss {jnp.result_type(loss)}{list(jnp.shape(loss))}; the "
+            "loss is a floating scalar (shape ()) to differentiate: reduce it (jnp.mean), "
+            "and return what else to report as metrics")
+    return returned
+
+
+def _checked_update_experience(agent: Agent) -> Callable:
+    """`agent.update_experience`, refusing (at trace time) an experience of another
+    structure, shape or dtype than it was given."""
+
+    def fn(experience, initial, final, trajectory, nets):
+        returned = agent.update_experience(experience, initial, final, trajectory, nets)
+        check_unchanged("update_experience", "experience", experience, returned, _KEEPS)
+        return returned
+
+    return fn
+
+
+def _checked_update_statistics(agent: Agent) -> Callable:
+    """`agent.update_statistics`, refusing (at trace time) networks of another
+    structure, shape or dtype than it was given."""
+
+    def fn(nets, trajectory):
+        returned = agent.update_statistics(nets, trajectory)
+        check_unchanged("update_statistics", "nets", nets, returned, _KEEPS)
+        return returned
+
+    return fn
+
+
 def _acting_nets_and_finite(agent: Agent) -> Callable:
-    """`agent.acting_nets`, with a [leaves] bool vector: which of its leaves are finite."""
+    """`agent.acting_nets`, with a [leaves] bool vector: which of its leaves are finite.
+    Python numbers in it (an epsilon of 0.1) become arrays, as `step` receives them."""
 
     def fn(nets, updates):
-        acting = agent.acting_nets(nets, updates)
+        acting = jax.tree.map(jnp.asarray, agent.acting_nets(nets, updates))
         flags = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
                  else jnp.array(True) for x in jax.tree.leaves(acting)]
         return acting, jnp.stack(flags) if flags else jnp.ones((0,), bool)
@@ -180,11 +243,11 @@ class Learner:
         self._first_local = sharding.local_devices_of(self.devices)[0]
         self._join = env_axis_joiner(self.devices)
         self._update_experience = per_learner_device(
-            agent.update_experience, self.devices, donate_argnums=(0,))
+            _checked_update_experience(agent), self.devices, donate_argnums=(0,))
         self._update_statistics = None  # compiled only for agents that keep statistics
         if type(agent).update_statistics is not Agent.update_statistics:
             self._update_statistics = per_learner_device(
-                agent.update_statistics, self.devices, donate_argnums=(0,))
+                _checked_update_statistics(agent), self.devices, donate_argnums=(0,))
         self._optimize = per_learner_device(
             lambda n, o, e: optimizer_step(agent, n, o, e), self.devices,
             donate_argnums=(0, 1, 2))
@@ -194,6 +257,32 @@ class Learner:
             lambda flag: jax.lax.pmax(flag, LEARNER_AXIS), mesh=mesh,
             in_specs=P(LEARNER_AXIS), out_specs=P(LEARNER_AXIS)))
         self.start(None, None, None)
+
+    def check_hooks(self, nets: PyTree, opt: PyTree, experience: PyTree,
+                    step_state: PyTree, trajectory: PyTree) -> None:
+        """Traces the learner's functions on one learner device's shapes (abstract or
+        concrete leaves, without the learner axis: `step_state` and `trajectory` as one
+        update's shard, [K x E / L, ...]), compiling and allocating nothing: an agent's
+        learner hook that breaks its contract (an experience, networks or optimizer
+        state of another structure, dtype or shape than it was given, a metric that is
+        not a scalar) is a ValueError naming the hook and the leaf now, before a run
+        starts, rather than at its first update. The trace is the one the first update
+        compiles (same shapes and shardings), so it costs no second one."""
+        learner_sharding = sharding.learner_sharding(self.devices)
+
+        def on_mesh(tree):  # as the learner's arguments are: [L, ...] over the mesh
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (len(self.devices), *jnp.shape(x)), jnp.result_type(x),
+                sharding=learner_sharding), tree)
+
+        nets, opt, experience = on_mesh(nets), on_mesh(opt), on_mesh(experience)
+        step_state, trajectory = on_mesh(step_state), on_mesh(trajectory)
+        if self._update_statistics is not None:
+            jax.eval_shape(self._update_statistics, nets, trajectory)
+        jax.eval_shape(self._update_experience, experience, step_state, step_state,
+                       trajectory, nets)
+        if self.optims_per_update:
+            jax.eval_shape(self._optimize, nets, opt, experience)
 
     def start(self, nets: Nets | None, opt: OptState | None, experience: PyTree | None, *,
               stagings: Iterable[Staging] = (), accounting: Accounting | None = None,

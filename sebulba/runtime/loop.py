@@ -13,11 +13,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sebulba.agent import Agent, Layout, strongly_typed
+from sebulba.agent import (
+    Agent,
+    Layout,
+    check_actor_output,
+    check_sharded_step_state,
+    check_step_state_rows,
+    strongly_typed,
+)
 from sebulba.config import Config
 from sebulba.envs import registry
 from sebulba.envs.async_workers import CLOSE_TIMEOUT_S
-from sebulba.envs.base import EnvSource, close_quietly
+from sebulba.envs.base import EnvSource, close_quietly, example_env_step
 from sebulba.evaluation import check_greedy
 from sebulba.runtime import memory, sharding, transfers
 from sebulba.runtime.accounting import Accounting, RunResult
@@ -26,7 +33,7 @@ from sebulba.runtime.evaluator import Evaluation, Evaluator
 from sebulba.runtime.inferencer import ActingFunctions, EnvGroupRunner
 from sebulba.runtime.learner import Learner
 from sebulba.runtime.watchdog import EnvStall, ProgressWatchdog
-from sebulba.types import AgentState, Nets, PyTree
+from sebulba.types import AgentState, Nets, PyTree, Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +181,7 @@ class Sebulba:
             trajectories_per_update=config.trajectories_per_update,
         )
         self._memory_checked = False
+        self._agent_checked = False  # `_check_agent`'s, once
         self._experience_shape: PyTree | None = None  # `_check_experience`'s, traced once
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
         self.learner = Learner(agent, self.learner_devices, self.layout,
@@ -182,10 +190,12 @@ class Sebulba:
     def initial_state(self) -> AgentState:
         """The agent's initial state; nets, optimizer and experience are the same in every
         process, the step state (this process's envs) differs between processes."""
+        self._check_agent()
         self.check_memory()
         net_key, state_key = jax.random.split(jax.random.key(self.config.seed))
         nets = self.agent.new_networks(net_key)
         state = self.agent.new_state(nets, state_key, self.layout)
+        check_step_state_rows(self.agent, state.step_state, self.layout.total_envs)
         if self.num_processes > 1:
             # This process's rows of the step state one process with every env would
             # start from (Agent.new_state's step key), so that the run's envs act alike
@@ -193,6 +203,7 @@ class Sebulba:
             step_key = jax.random.split(state_key, 3)[2]
             n = self.layout.total_envs
             every = self.agent.new_step_state(nets, step_key, n * self.num_processes)
+            check_step_state_rows(self.agent, every, n * self.num_processes)
             state = state._replace(
                 step_state=sharding.slice_env_axis(every, self.process_index * n, n))
         return state
@@ -261,6 +272,7 @@ class Sebulba:
           stops the run and is re-raised here.
         """
         self._check_run_args(total_env_steps, learn, progress_timeout_s, learner_updates)
+        self._check_agent()
         self.check_memory()
         if state is None:
             state = self.initial_state()
@@ -271,6 +283,7 @@ class Sebulba:
         # As the acting calls return it, so that each compiles once (and the cut's
         # concatenation of consumed and unconsumed groups' rows too).
         state = state._replace(step_state=strongly_typed(state.step_state))
+        self._check_shard_step_state(state.step_state)
         run = self._start_learner(state, local_experience, learner_updates,
                                   progress_timeout_s)
         try:
@@ -301,6 +314,71 @@ class Sebulba:
                 f"{self.config.shutdown_timeout_s}s each (two for the inferencers, one for the "
                 f"evaluator; stuck in an env's step, or in its close): {still_alive}")
         return self._result(run, learner_updates)
+
+    def _check_agent(self) -> None:
+        """Once per loop, before anything is allocated: the agent's hooks traced on this
+        layout's shapes (`jax.eval_shape`: nothing compiled, nothing allocated), so that
+        a hook that breaks its contract is a ValueError naming the hook and the leaf
+        before any env or thread starts, not a failure far from it (an empty slice of a
+        StepState, the env's assertion in its thread, a sharding error):
+
+        - `new_step_state`: every leaf per env or 0-d (`agent.check_step_state_rows`);
+        - `step`: an action the env's action space takes and per-env extras
+          (`agent.check_actor_output`; the acting calls check it too, and the StepState);
+        - the learner's hooks: experience, networks and optimizer state returned as
+          they were given, scalar metrics (`Learner.check_hooks`).
+
+        An agent whose state depends on values, not only on shapes, is checked where
+        its functions are first compiled instead (the same checks run there)."""
+        if self._agent_checked:
+            return
+        agent, layout, key = self.agent, self.layout, jax.random.key(0)
+        rows, shard = self.rows_per_group, layout.envs_per_update_shard
+        try:
+            nets = jax.eval_shape(agent.new_networks, key)
+            step_state = jax.eval_shape(
+                lambda n, k: agent.new_step_state(n, k, layout.total_envs), nets, key)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            self._agent_checked = True
+            return
+        check_step_state_rows(agent, step_state, layout.total_envs)
+
+        def with_rows(tree, n):  # per-env leaves of n rows, strongly typed, as the run's
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (n, *x.shape[1:]) if x.ndim else (), x.dtype), tree)
+
+        acting = jax.eval_shape(agent.acting_nets, nets, jax.ShapeDtypeStruct((), jnp.int32))
+        env_step = example_env_step(agent.env_spec, rows)
+        output, _ = jax.eval_shape(agent.step, with_rows(step_state, rows), acting, env_step)
+        check_actor_output(output, rows, agent.env_spec.action_space)
+        try:
+            opt = jax.eval_shape(agent.new_opt_state, nets, key)
+            experience = jax.eval_shape(
+                lambda n, k: agent.new_experience_state(n, k, layout), nets, key)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            self._agent_checked = True
+            return
+
+        def over_time(tree, length):  # [E, ...] -> one update's shard [K E / L, T(+1), ...]
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (shard, length, *jnp.shape(x)[1:]), jnp.result_type(x)), tree)
+
+        trajectory = Trajectory(over_time(env_step, layout.steps_per_cycle + 1),
+                                over_time(output, layout.steps_per_cycle))
+        self.learner.check_hooks(nets, opt, experience, with_rows(step_state, shard),
+                                 trajectory)
+        self._agent_checked = True
+
+    def _check_shard_step_state(self, step_state: PyTree) -> None:
+        """Once per run: `Agent.shard_step_state` of the first group's rows keeps to its
+        contract (global arrays split over the learner devices, [L, E / L_local, ...]:
+        `agent.check_sharded_step_state`); the inferencer threads call it on every
+        trajectory's StepStates, and the learner would fail far from it (or not at all,
+        pairing envs with other envs' rows) on another layout."""
+        rows = sharding.slice_env_axis(step_state, 0, self.rows_per_group)
+        check_sharded_step_state(self.agent, rows,
+                                 self.agent.shard_step_state(rows, self.learner_devices),
+                                 self.learner_devices)
 
     def check_memory(self) -> None:
         """Raises a ValueError, with the estimate and the memory available, when the
