@@ -480,3 +480,24 @@ def test_a_stop_during_the_first_update_cuts_it_only_if_it_would_not_end_in_time
         assert result.optimizer_steps_cut == steps - learner.MAX_QUEUED_STEPS
     else:
         assert result.optimizer_steps_cut == 0 and result.optimizer_steps == steps
+
+
+@pytest.mark.timeout(60)
+def test_an_update_info_kept_past_the_next_update_refuses_to_copy_state(no_leftovers):
+    # The next update donates the learner's buffers and moves the actors' cut: a kept
+    # UpdateInfo's copies would fail on deleted arrays or return another update's state.
+    loop, infos = counting_loop(), []
+    result = loop.run(3 * loop.env_steps_per_update, on_update=infos.append)
+    assert result.learner_updates == len(infos) == 3
+    for info in infos[:-1]:
+        with pytest.raises(RuntimeError, match=rf"UpdateInfo.learner_state\(\) of update "
+                                               rf"{info.version} was called after a later"):
+            info.learner_state()
+        with pytest.raises(RuntimeError, match=r"UpdateInfo.actor_state\(\) of update"):
+            info.actor_state()
+    # The last update's stays valid after the run (the launcher's final save copies it).
+    nets, _, _ = infos[-1].learner_state()
+    assert jax.tree.leaves(nets) and infos[-1].actor_state() is not None
+    loop.run(loop.env_steps_per_update)  # a new run starts the learner anew
+    with pytest.raises(RuntimeError, match="after a later update started"):
+        infos[-1].learner_state()

@@ -56,7 +56,10 @@ class UpdateInfo:
       evaluations: the evaluations during training (`Config.eval_every_updates`) that
         finished since the last call (`sebulba.runtime.evaluator.Evaluation`).
 
-    `learner_state()` and `actor_state()` copy what a checkpoint needs.
+    `learner_state()` and `actor_state()` copy what a checkpoint needs, until the next
+    update starts (within `on_update`, or after the run for its last update, as a save at
+    the end does): the next update donates the learner's buffers and moves the actors'
+    cut on, so a kept UpdateInfo refuses them from then on.
     """
 
     version: int
@@ -73,6 +76,7 @@ class UpdateInfo:
         update's finiteness check (`Config.check_finite`), which raises before a NaN state
         is copied out, rather than at the next update."""
         snap = self._learner
+        self._check_current("learner_state")
         snap.check()
         return (sharding.first_replica(snap.nets), sharding.first_replica(snap.opt),
                 sharding.local_entries(snap.experience))
@@ -83,7 +87,15 @@ class UpdateInfo:
         learner has learnt from (trajectories acted since are not in the learner state).
         With both, a run resumes where the learner stands (`Sebulba.run`'s `state` and
         `learner_updates`)."""
+        self._check_current("actor_state")
         return self._learner.cut.step_state()
+
+    def _check_current(self, method: str) -> None:
+        if not self._learner.current[0]:
+            raise RuntimeError(
+                f"UpdateInfo.{method}() of update {self.version} was called after a later "
+                "update started: the learner has reused its buffers and the actors' cut "
+                "has moved on; copy the state within the on_update call that received it")
 
 
 class _LearnerSnapshot(NamedTuple):
@@ -92,6 +104,7 @@ class _LearnerSnapshot(NamedTuple):
     experience: PyTree
     cut: _ConsumedCut
     check: Callable[[], None]  # the learner's pending finiteness check
+    current: list[bool]  # [True] until the next update starts
 
 
 class _ConsumedCut:
@@ -182,6 +195,7 @@ class Sebulba:
         )
         self._memory_checked = False
         self._agent_checked = False  # `_check_agent`'s, once
+        self._info_current: list[bool] = [False]  # the last UpdateInfo's (`_expire_info`)
         self._experience_shape: PyTree | None = None  # `_check_experience`'s, traced once
         self.acting = ActingFunctions(agent, config.steps_per_cycle)
         self.learner = Learner(agent, self.learner_devices, self.layout,
@@ -272,6 +286,7 @@ class Sebulba:
           stops the run and is re-raised here.
         """
         self._check_run_args(total_env_steps, learn, progress_timeout_s, learner_updates)
+        self._expire_info()  # a run starts the learner anew from `state`
         self._check_agent()
         self.check_memory()
         if state is None:
@@ -314,6 +329,11 @@ class Sebulba:
                 f"{self.config.shutdown_timeout_s}s each (two for the inferencers, one for the "
                 f"evaluator; stuck in an env's step, or in its close): {still_alive}")
         return self._result(run, learner_updates)
+
+    def _expire_info(self) -> None:
+        """The last UpdateInfo handed to on_update no longer copies state: an update (or
+        a run) is about to reuse the learner's buffers and move the actors' cut."""
+        self._info_current[0] = False
 
     def _check_agent(self) -> None:
         """Once per loop, before anything is allocated: the agent's hooks traced on this
@@ -535,6 +555,7 @@ class Sebulba:
             if len(run.popped) < self.config.trajectories_per_update:
                 continue
             lags = [learner.updates - item.version for item in run.popped]
+            self._expire_info()
             run.stopped_early = self._update(run, learn, stop)
             for item, lag in zip(run.popped, lags, strict=True):
                 accounting.add_consumed(item.num_env_steps, lag)
@@ -542,10 +563,11 @@ class Sebulba:
             run.popped = []
             evaluations = self._evaluate(run)
             if on_update is not None:
+                self._info_current = [True]  # until the next update (`_expire_info`)
                 on_update(UpdateInfo(
                     learner.updates, learner.metrics, learner.published, accounting,
                     _LearnerSnapshot(learner.nets, learner.opt, learner.experience, run.cut,
-                                     learner.finish),
+                                     learner.finish, self._info_current),
                     evaluations))
             # One process needs no vote: an event set in on_update counts at once. A stop
             # during the last update ends nothing early: every step is consumed.
