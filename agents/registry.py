@@ -50,7 +50,9 @@ def register(name: str, config_class: type,
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"an agent's name must be lowercase letters, digits and _ (it "
                          f"prefixes its flags: --<name>_<field>), got {name!r}")
-    if name in AGENTS and AGENTS[name] != AgentEntry(config_class, build):
+    if name in AGENTS:
+        if AGENTS[name] == AgentEntry(config_class, build):
+            return  # registered already, as it is: nothing changes
         raise ValueError(f"agent {name!r} is registered already (as "
                          f"{AGENTS[name].build!r}); choose another name")
     if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):

@@ -186,6 +186,19 @@ class PidRecordingEnv(CountingEnv):
         return super().step(action)
 
 
+class SlowToCloseEnv(PidRecordingEnv):
+    """Takes `close_seconds` to close (in its worker, where an async env closes it): a
+    shutdown waits for it."""
+
+    def __init__(self, pid_dir: str, close_seconds: float):
+        super().__init__(pid_dir)
+        self.close_seconds = close_seconds
+
+    def close(self):
+        time.sleep(self.close_seconds)
+        super().close()
+
+
 class RandomObservationEnv(gym.Env):
     """Random observations of any space; reward 1 when the action matches a bit of the
     observation, so the policy has something to learn; episodes of 8 steps."""

@@ -121,10 +121,11 @@ def test_agents_register_under_a_flag_prefix_before_the_launcher_is_imported():
     with pytest.raises(TypeError, match="config_class must be a dataclass"):
         register("mine", dict, SPG)
     register("spg", SPGConfig, SPG)  # the same entry again: nothing to do
-    if "examples.train" in sys.modules:
-        with pytest.raises(RuntimeError, match="before importing examples.train"):
-            register("mine", dataclasses.make_dataclass("C", []), SPG)
-        assert "mine" not in AGENTS
+    import examples.train  # noqa: F401 - the launcher's flags are defined from here on
+
+    with pytest.raises(RuntimeError, match="before importing examples.train"):
+        register("mine", dataclasses.make_dataclass("C", []), SPG)
+    assert "mine" not in AGENTS
 
 
 @pytest.mark.timeout(300)

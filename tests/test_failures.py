@@ -86,6 +86,44 @@ def test_an_env_step_that_never_returns_ends_the_run(vectorization, close_hangs,
     assert elapsed < 30, elapsed  # startup, 2 s of stall, one shutdown_timeout_s
 
 
+class HangsInGroup0FailsInGroup1(CountingEnv):
+    """Group 0's envs (seeds 0 and 1 of 2-env groups) never return from their third step
+    until `HangingEnv.release` is set; group 1's raise at their tenth."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.env_id < 2 and self.steps == 3:
+            HangingEnv.release.wait()
+        if self.env_id >= 2 and self.steps == 10:
+            raise RuntimeError(f"group 1's env {self.env_id} failed")
+        return super().step(action)
+
+
+@pytest.mark.timeout(60)
+def test_an_error_names_the_threads_its_shutdown_left_stuck(no_leftovers):
+    env = HangsInGroup0FailsInGroup1
+    loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)), sebulba.Config(
+        env=env, vectorization="sync", envs_per_group=2, async_factor=2, steps_per_cycle=4,
+        shutdown_timeout_s=1.0))
+    try:
+        with pytest.raises(RuntimeError, match="group 1's env [23] failed") as caught:
+            loop.run(10**9)
+    finally:
+        HangingEnv.release.set()
+        deadline = time.monotonic() + 10
+        while sebulba_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        HangingEnv.release.clear()
+    # The env's error, as raised, with the thread still stuck in group 0's step said.
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "threads did not stop within the shutdown's waits of shutdown_timeout_s=1.0s" \
+        in notes and "['sebulba-inferencer-0']" in notes, notes
+
+
 @pytest.mark.timeout(60)
 def test_env_stall_counts_only_waiting_without_env_steps(monkeypatch):
     now = [100.0]  # a fake clock: seconds advance only when the test says so
@@ -304,7 +342,7 @@ def test_async_envs_in_a_script_without_a_main_guard_say_what_to_add(tmp_path, l
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""
-    import faulthandler, functools, signal, sys
+    import faulthandler, functools, os, signal, sys, threading
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
     # Ctrl-C as a terminal delivers it: a process started by a test runner's worker may
     # inherit SIGINT ignored or blocked (seen under pytest-xdist: the run went on as if
@@ -316,12 +354,22 @@ CTRL_C_SCRIPT = textwrap.dedent("""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     import sebulba
     from tests.counting_agent import CountingAgent
-    from tests.envs import PidRecordingEnv
-    env = functools.partial(PidRecordingEnv, sys.argv[1], 0.001)
+    from tests.envs import PidRecordingEnv, SlowToCloseEnv
+    when = sys.argv[2]
+    if when == "running":
+        env = functools.partial(PidRecordingEnv, sys.argv[1], 0.001)
+    else:  # in the shutdown, while the envs' 4 s closes are waited for
+        env = functools.partial(SlowToCloseEnv, sys.argv[1], 4.0)
     cfg = sebulba.Config(env=env, envs_per_group=2, steps_per_cycle=4, vectorization="async")
     loop = sebulba.Sebulba(CountingAgent(sebulba.env_spec(env)), cfg)
+
+    def on_update(info):
+        if when == "closing" and info.version == 3:  # the last update: 1 s into the closes
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+
     print("running", flush=True)
-    loop.run(10**12)
+    loop.run(10**12 if when == "running" else 3 * loop.env_steps_per_update,
+             on_update=on_update)
 """)
 
 
@@ -338,17 +386,23 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_shuts_down_cleanly(tmp_path):
+@pytest.mark.parametrize("when", ["running", "closing"])
+def test_ctrl_c_shuts_down_cleanly(tmp_path, when):
+    """Ctrl-C while the run steps, or while its shutdown waits for the envs' closes (a
+    Ctrl-C there once left the workers alive, and the process hung at exit waiting for
+    workers that ignore SIGTERM)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path)], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path), when],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout.readline().strip() == "running"
-        deadline = time.monotonic() + 60  # wait until the env workers exist and step
-        while len(list(tmp_path.glob("*.pid"))) < 5 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGINT)
+        if when == "running":
+            deadline = time.monotonic() + 60  # wait until the env workers exist and step
+            while len(list(tmp_path.glob("*.pid"))) < 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGINT)
         try:
             _, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # every thread's stack, then fail with them

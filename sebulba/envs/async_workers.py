@@ -10,9 +10,11 @@ the worker, its pid and its signal or exit code, with no worker left behind.
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util  # its exit handler first, so that `_kill_open_workers` runs before it
 import os
 import pickle
 import queue
@@ -21,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -191,6 +194,7 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
     """
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **kwargs: Any):
+        _kill_at_exit(self)
         try:
             super().__init__(env_fns, **kwargs)
         except BaseException as e:
@@ -279,9 +283,11 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
         raise error
 
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
-        if not terminate:
-            self._ask_workers_to_close()
-        self._stop_workers()
+        try:
+            if not terminate:
+                self._ask_workers_to_close()
+        finally:  # a Ctrl-C in the polite close still kills the workers
+            self._stop_workers()
 
     def _ask_workers_to_close(self) -> None:
         """Asks each idle worker to close its env and end, waiting for them up to
@@ -309,7 +315,7 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
         reaps the workers."""
         # A process whose start failed (an env_fn "spawn" cannot pickle) has no pid.
         processes = [p for p in getattr(self, "processes", []) if p.pid is not None]
-        for process in processes:
+        for process in processes:  # first, before any wait a Ctrl-C could cut short
             if process.is_alive():
                 process.kill()
         for pipe in getattr(self, "parent_pipes", []):
@@ -320,6 +326,27 @@ class AsyncVectorEnv(gym.vector.AsyncVectorEnv):
             process.join(max(0.0, deadline - time.monotonic()))
         if hasattr(self, "_state"):
             self._state = gym.vector.async_vector_env.AsyncState.DEFAULT
+
+
+_OPEN: weakref.WeakSet[AsyncVectorEnv] = weakref.WeakSet()
+
+
+def _kill_at_exit(vec: AsyncVectorEnv) -> None:
+    """Tracks `vec` so that the interpreter's exit kills its workers if nothing closed
+    it (a Ctrl-C that cut a close short): multiprocessing's own exit handler sends live
+    workers SIGTERM, which they ignore, and joins them without a timeout, so the process
+    would never end. Registered after multiprocessing's handler, this one runs first."""
+    if not _OPEN:
+        atexit.unregister(_kill_open_workers)  # once, after multiprocessing's
+        atexit.register(_kill_open_workers)
+    _OPEN.add(vec)
+
+
+def _kill_open_workers() -> None:
+    for vec in list(_OPEN):
+        for process in getattr(vec, "processes", []):
+            if process.pid is not None and process.is_alive():
+                process.kill()
 
 
 # Spaces whose shared memory is one flat array of their dtype, `size` items per env.

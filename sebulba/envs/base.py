@@ -38,6 +38,8 @@ class EnvSource(Protocol):
     observations are stacks of frames kept by a known rule may have `frame_stack` (a
     `frame_stacks.FrameStack`; None or absent otherwise): the acting loop may then send
     only each observation's newest frame to the device (`Config.stack_frames_on_device`).
+    A source whose envs run in worker processes has `has_worker_processes` True: the
+    shutdown then gives a stuck group's close the workers' `CLOSE_TIMEOUT_S` to end them.
     """
 
     num_envs: int

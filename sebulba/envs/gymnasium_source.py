@@ -339,6 +339,9 @@ class VectorEnvSource:
         self.num_envs = self.group_size = vec.num_envs
         self._ids = np.arange(self.num_envs)
         self.frame_stack = ale_vector_frame_stack(vec)
+        # Its close may wait for worker processes (`CLOSE_TIMEOUT_S`, then kills them).
+        self.has_worker_processes = isinstance(getattr(vec, "unwrapped", vec),
+                                               gym.vector.AsyncVectorEnv)
         self._tracker = EpisodeTracker(self.num_envs, vec.single_observation_space)
         self._to_env = action_to_env(vec.single_action_space)
         self._result: tuple | None = None

@@ -320,15 +320,27 @@ class Sebulba:
             # preemption's) still comes before the shutdown, within the grace.
             if run.stop_seen and on_stop is not None:
                 on_stop()
-        finally:
-            still_alive = self._stop(run)
+        except BaseException as error:
+            # Whatever ends the run, threads left stuck are said with its error.
+            self._note_still_alive(error, self._stop(run))
+            raise
+        still_alive = self._stop(run)
+        if run.errors.error is not None:
+            self._note_still_alive(run.errors.error, still_alive)
         run.errors.raise_if_any()
         if still_alive:
-            raise RuntimeError(
-                f"threads did not stop within the shutdown's waits of shutdown_timeout_s="
-                f"{self.config.shutdown_timeout_s}s each (two for the inferencers, one for the "
-                f"evaluator; stuck in an env's step, or in its close): {still_alive}")
+            raise RuntimeError(self._still_alive_message(still_alive))
         return self._result(run, learner_updates)
+
+    def _still_alive_message(self, still_alive: list[str]) -> str:
+        return (f"threads did not stop within the shutdown's waits of shutdown_timeout_s="
+                f"{self.config.shutdown_timeout_s}s each (two for the inferencers, one for "
+                f"the evaluator; stuck in an env's step, or in its close): {still_alive}")
+
+    def _note_still_alive(self, error: BaseException, still_alive: list[str]) -> None:
+        """Adds to `error`, on its way to the caller, the threads the shutdown left alive."""
+        if still_alive:
+            error.add_note(self._still_alive_message(still_alive))
 
     def _expire_info(self) -> None:
         """The last UpdateInfo handed to on_update no longer copies state: an update (or
@@ -781,23 +793,37 @@ class Sebulba:
         code, and closes of their envs that did not return (`<inferencer>-closing`).
         """
         timeout = self.config.shutdown_timeout_s
+        # A Ctrl-C while this waits ends the waits, not the closes: every source is
+        # closed (its workers killed) before the interrupt goes on to the caller.
+        interrupt: KeyboardInterrupt | None = None
         if not stalled:
             deadline = time.monotonic() + timeout
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
+            try:
+                for t in threads:
+                    t.join(max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt as e:
+                interrupt = e
         # Closing terminates async workers, which also frees a thread stuck waiting on one.
         # The env of a thread still stuck in its step may block in close too (on the lock
         # the step waits for), so it is closed in a thread of its own, waited for below.
-        closing = []
+        closing, workers = [], False
         for i, r in enumerate(runners):
-            if i < len(threads) and threads[i].is_alive():
-                closing.append(threading.Thread(target=close_quietly, args=([r.source],),
-                                                name=f"{r.name}-closing", daemon=True))
-                closing[-1].start()
-            else:  # a broken env must not keep the others from closing, nor fail the run
-                close_quietly([r.source])
-        # An async env's close may take CLOSE_TIMEOUT_S (a worker that outlives SIGTERM).
-        deadline = time.monotonic() + timeout + (CLOSE_TIMEOUT_S if closing else 0.0)
+            try:
+                if i < len(threads) and threads[i].is_alive():
+                    workers = workers or getattr(r.source, "has_worker_processes", False)
+                    closing.append(threading.Thread(
+                        target=close_quietly, args=([r.source],), name=f"{r.name}-closing",
+                        daemon=True))
+                    closing[-1].start()
+                else:  # a broken env must not keep the others from closing, nor fail it
+                    close_quietly([r.source])
+            except KeyboardInterrupt as e:  # the source's close kills its workers anyway
+                interrupt = interrupt or e
+        if interrupt is not None:
+            raise interrupt
+        # Closing a stuck thread's env may take CLOSE_TIMEOUT_S where it has worker
+        # processes (one that outlives SIGTERM is killed after it); in-process envs do not.
+        deadline = time.monotonic() + timeout + (CLOSE_TIMEOUT_S if workers else 0.0)
         for t in closing + threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in threads + closing if t.is_alive()]
