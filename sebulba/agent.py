@@ -161,9 +161,9 @@ class Agent(abc.ABC):
         Returns:
           (ActorOutput with leaves [E, ...], the next StepState): `action` [E,
           *action_space.shape], integers for a Discrete or MultiDiscrete action space,
-          floats for a Box; every `extras` leaf [E, ...] (none 0-d); the StepState of
-          the structure, shapes and dtypes it was given. The run checks these where it
-          first traces `step`.
+          numbers (floats, or integers) for a Box; every `extras` leaf [E, ...] (none
+          0-d); the StepState of the structure, shapes and dtypes it was given. The run
+          checks these where it first traces `step`.
         """
 
     def greedy_step(
@@ -401,7 +401,7 @@ def check_actor_output(output: ActorOutput, num_envs: int, action_space: gym.Spa
                        hook: str = "step") -> None:
     """ValueError unless `output` (what `Agent.<hook>` returned for `num_envs` envs,
     traced or abstract) holds actions [num_envs, *action_space.shape] of a dtype the
-    action space takes (integers for Discrete and MultiDiscrete, floats for Box) and
+    action space takes (integers for Discrete and MultiDiscrete, numbers for Box) and
     extras whose every leaf is per env ([num_envs, ...]): the env would otherwise
     refuse the actions deep in its thread, and the trajectory's rows be split wrongly
     over the learner devices."""
@@ -410,15 +410,16 @@ def check_actor_output(output: ActorOutput, num_envs: int, action_space: gym.Spa
                         f"step_state); its first element is a {type(output).__name__}")
     action = output.action
     want = (num_envs, *action_space.shape)
-    floating = isinstance(action_space, gym.spaces.Box)
-    kind = "floating" if floating else "integer"
+    # A Box takes any number (integers too: a bang-bang controller's), the others
+    # integers; never bools, whose meaning as an action no space says.
+    box = isinstance(action_space, gym.spaces.Box)
+    kinds = (jnp.integer, jnp.floating) if box else (jnp.integer,)
     dtype = jnp.result_type(action)
-    if tuple(jnp.shape(action)) != want or not jnp.issubdtype(
-            dtype, jnp.floating if floating else jnp.integer):
+    if tuple(jnp.shape(action)) != want or not any(jnp.issubdtype(dtype, k) for k in kinds):
         raise ValueError(
             f"Agent.{hook} returned action {_leaf(action)}; the env's action space "
             f"{action_space!r} takes [{num_envs} envs, *{tuple(action_space.shape)}] = "
-            f"{list(want)} of an {kind} dtype")
+            f"{list(want)} of {'a numeric' if box else 'an integer'} dtype")
     for path, x in jax.tree_util.tree_leaves_with_path(output.extras):
         if jnp.ndim(x) == 0 or jnp.shape(x)[0] != num_envs:
             raise ValueError(

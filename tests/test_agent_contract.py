@@ -165,6 +165,22 @@ def test_a_0d_step_state_leaf_is_shared_by_all_envs(no_leftovers):
     assert result.learner_updates >= 1 and result.state.step_state[1].shape == ()
 
 
+class Stateless(Linear):  # no StepState at all: a fixed policy's acting needs none
+    def new_step_state(self, nets, key, num_envs):
+        return ()
+
+    def step(self, step_state, nets, env_step):
+        action = jnp.argmax(env_step.obs @ nets.w + nets.b, axis=-1)
+        return sebulba.ActorOutput(action, {"count": jnp.zeros_like(action)}), ()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_without_a_step_state_runs_to_its_end(no_leftovers):
+    # Its end once failed, where the run's StepState is joined from its groups' cut.
+    result = loop(Stateless).run(2 * ENVS * STEPS)
+    assert result.learner_updates >= 1 and result.state.step_state == ()
+
+
 # 2. step's ActorOutput: actions the env's space takes, per-env extras.
 
 def changes_output(change):
@@ -210,13 +226,17 @@ def test_the_acting_call_checks_the_actor_output_where_it_is_traced():
                        example_env_step(agent.env_spec, ENVS))
 
 
-def test_box_actions_are_floats_of_the_space_shape():
+def test_box_actions_are_numbers_of_the_space_shape():
     box = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
     check_actor_output(sebulba.ActorOutput(jnp.zeros((5, 3))), 5, box)
+    # integers too (a bang-bang controller's -1 and +1): the env's boundary casts them
+    check_actor_output(sebulba.ActorOutput(jnp.zeros((5, 3), jnp.int32)), 5, box)
     with pytest.raises(ValueError, match=re.escape(
-            "Agent.step returned action int32[5, 3]; the env's action space "
-            f"{box!r} takes [5 envs, *(3,)] = [5, 3] of an floating dtype")):
-        check_actor_output(sebulba.ActorOutput(jnp.zeros((5, 3), jnp.int32)), 5, box)
+            "Agent.step returned action bool[5, 3]; the env's action space "
+            f"{box!r} takes [5 envs, *(3,)] = [5, 3] of a numeric dtype")):
+        check_actor_output(sebulba.ActorOutput(jnp.zeros((5, 3), bool)), 5, box)
+    with pytest.raises(ValueError, match=re.escape("takes [5 envs, *(3,)] = [5, 3]")):
+        check_actor_output(sebulba.ActorOutput(jnp.zeros((5, 1))), 5, box)
 
 
 # 3. Learner hooks return what they were given.

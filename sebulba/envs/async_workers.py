@@ -344,9 +344,12 @@ def _kill_at_exit(vec: AsyncVectorEnv) -> None:
 
 def _kill_open_workers() -> None:
     for vec in list(_OPEN):
+        if getattr(vec, "closed", True):
+            continue
         for process in getattr(vec, "processes", []):
             if process.pid is not None and process.is_alive():
                 process.kill()
+        vec.closed = True  # nothing left for its __del__, at the interpreter's teardown
 
 
 # Spaces whose shared memory is one flat array of their dtype, `size` items per env.

@@ -124,7 +124,10 @@ class _ConsumedCut:
         # On the initial state's device whichever groups were consumed: one placement,
         # so one compiled concatenation for every run of the loop (a restored state may
         # be NumPy arrays: the first local device then).
-        first = jax.tree.leaves(self.initial)[0]
+        leaves = jax.tree.leaves(self.initial)
+        if not leaves:  # a stateless agent's StepState: nothing to place or join
+            return self.initial[0]
+        first = leaves[0]
         device = first.device if isinstance(first, jax.Array) else jax.local_devices()[0]
         return _concat_env_axis([
             sharding.unshard_env_axis(self.final[g]) if g in self.final else initial
