@@ -38,6 +38,7 @@ AGENTS: dict[str, AgentEntry] = {
     "sac": AgentEntry(SACConfig, SAC),
     "spg": AgentEntry(SPGConfig, SPG),
 }
+SHIPPED = frozenset(AGENTS)  # the agents of this package; `register` adds others
 
 
 def register(name: str, config_class: type,

@@ -39,6 +39,7 @@ import sebulba
 from agents.registry import (
     AGENTS,
     DEFAULTS_VERSION,
+    SHIPPED,
     changed_since,
     defaults_message,
     unresumable_since,
@@ -881,6 +882,14 @@ def train_and_report(launch: Launch, preemption: Preemption) -> None:
 def run() -> None:
     """Parses the command line and trains, as `python -m examples.train` does; a launcher
     of your own calls it after `agents.registry.register` adds its agent."""
+    script = sys.argv[0]
+    if sys.modules.get("__main__") is not sys.modules[__name__]:
+        # A launcher of one's own: absl's --helpshort lists the main script's key flags,
+        # so they are this launcher's run flags and the registered agents' flags.
+        modules = [__name__, *(f"agents.{name}" for name in AGENTS if name not in SHIPPED)]
+        for module in modules:
+            for flag in flags.FLAGS.get_key_flags_for_module(module):
+                flags.FLAGS.register_key_flag_for_module(script, flag)
     run_main(main)
 
 

@@ -100,7 +100,9 @@ def test_the_agent_of_writing_an_agent_trains_and_resumes_with_the_launcher(tmp_
 
     first = launch("--linear_learning_rate=0.02", "--total_env_steps=1024")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "--linear_learning_rate" in launch("--helpfull").stdout
+    # --helpshort lists the script's key flags: the launcher's and its agent's
+    short = launch("--helpshort").stdout
+    assert "--linear_learning_rate" in short and "--envs_per_group" in short, short
     # Async env workers import the script again (spawn): its guard keeps the run out.
     again = launch("--linear_learning_rate=0.05", "--total_env_steps=2048", "--resume",
                    "--vectorization=async")
