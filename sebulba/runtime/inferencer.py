@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sebulba.agent import Agent, checked_step_state, strongly_typed
+from sebulba.agent import Agent, check_actor_output, checked_step_state, strongly_typed
 from sebulba.envs.base import EnvSource
 from sebulba.envs.frame_stacks import FrameStack
 from sebulba.envs.observations import host_dtype
@@ -189,8 +189,6 @@ class ActingFunctions:
         """At trace time (once per compile): the ActorOutput `Agent.step` returned holds
         actions the env's action space takes and per-env extras, for the envs of
         `env_step` (`check_actor_output`; the loop checks it before a run too)."""
-        from sebulba.agent import check_actor_output
-
         check_actor_output(output, jnp.shape(env_step.reward)[0],
                            self.agent.env_spec.action_space)
 

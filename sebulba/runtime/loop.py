@@ -35,6 +35,10 @@ from sebulba.runtime.learner import Learner
 from sebulba.runtime.watchdog import EnvStall, ProgressWatchdog
 from sebulba.types import AgentState, Nets, PyTree, Trajectory
 
+# What tracing a hook with `jax.eval_shape` raises where its result depends on values, not
+# only on shapes: such an agent is checked and sized where its functions first compile.
+VALUE_DEPENDENT = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateInfo:
@@ -373,7 +377,7 @@ class Sebulba:
             nets = jax.eval_shape(agent.new_networks, key)
             step_state = jax.eval_shape(
                 lambda n, k: agent.new_step_state(n, k, layout.total_envs), nets, key)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        except VALUE_DEPENDENT:
             self._agent_checked = True
             return
         check_step_state_rows(agent, step_state, layout.total_envs)
@@ -390,7 +394,7 @@ class Sebulba:
             opt = jax.eval_shape(agent.new_opt_state, nets, key)
             experience = jax.eval_shape(
                 lambda n, k: agent.new_experience_state(n, k, layout), nets, key)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        except VALUE_DEPENDENT:
             self._agent_checked = True
             return
 
@@ -425,7 +429,7 @@ class Sebulba:
         try:
             need = memory.estimate(self.agent, self.layout, self.inference_devices,
                                    self.local_learner_devices, cfg.effective_queue_capacity)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        except VALUE_DEPENDENT:
             # An agent whose state depends on values, not only on shapes: nothing to
             # estimate from before allocating.
             self._memory_checked = True
@@ -487,7 +491,7 @@ class Sebulba:
                 self._experience_shape = jax.eval_shape(
                     lambda n, k: self.agent.new_experience_state(n, k, self.layout), nets,
                     jax.random.key(0))
-            except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            except VALUE_DEPENDENT:
                 return  # an experience that depends on values, not only on shapes
         name = "local_experience" if stacked else "state.experience"
         expected, expected_def = jax.tree_util.tree_flatten_with_path(self._experience_shape)
